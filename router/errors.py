@@ -1,0 +1,109 @@
+"""One exception hierarchy for the service; ``router.app`` maps it to OpenAI-shaped bodies in one place.
+
+Every error a client can see carries ``status_code``, OpenAI's ``type``, the offending ``param``
+(or None) and a machine-readable ``code``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "AuthError",
+    "BadRequestError",
+    "ModelNotFoundError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "PolicyError",
+    "PolicyIssue",
+    "RateLimitError",
+    "RouterError",
+    "UnavailableError",
+]
+
+
+class RouterError(Exception):
+    status_code = 500
+    error_type = "server_error"
+    default_code: str | None = "internal_error"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.retry_after = retry_after
+
+    def to_body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class BadRequestError(RouterError):
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_value"
+
+
+class AuthError(RouterError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFoundError(RouterError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class PayloadTooLargeError(RouterError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class RateLimitError(RouterError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class OverloadedError(RateLimitError):
+    """Every candidate tier's queue is full."""
+
+    default_code = "tier_overloaded"
+
+
+class UnavailableError(RouterError):
+    """Not ready, draining, or a queue wait timed out."""
+
+    status_code = 503
+    error_type = "server_error"
+    default_code = "service_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyIssue:
+    path: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line}: " if self.line is not None else ""
+        return f"{where}{self.path}: {self.message}"
+
+
+class PolicyError(Exception):
+    """A policy file is invalid; ``issues`` lists every problem with its field path and line."""
+
+    def __init__(self, source: str, issues: list[PolicyIssue]) -> None:
+        self.source = source
+        self.issues = issues
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lines = [f"invalid policy {self.source}: {len(self.issues)} error(s)"]
+        lines += [f"  {self.source}:{issue}" for issue in self.issues]
+        return "\n".join(lines)

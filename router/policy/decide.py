@@ -1,0 +1,140 @@
+"""The routing decision: data in, decision out. Pure - no I/O, no clocks, no globals.
+
+Order of evaluation:
+1. ``model`` other than ``auto``: a tier name forces that tier, an alias forces its tier, anything
+   else is an unknown model (404).
+2. Otherwise the rules, in order; the first whose conditions all hold picks the tier.
+3. Escalation: a score-based pick with low classifier confidence moves one tier up.
+4. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
+5. Load: a full tier falls back along ``routing.fallback`` (within the tenant's tiers); when the
+   chain ends, the decision is a rejection (429).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from router.errors import ModelNotFoundError
+from router.policy.schema import Condition, Policy
+
+__all__ = ["Decision", "RouteRequest", "ScoreLike", "decide"]
+
+
+class ScoreLike(Protocol):
+    @property
+    def tier(self) -> str: ...
+    @property
+    def value(self) -> float: ...
+    @property
+    def probabilities(self) -> Mapping[str, float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    model: str = "auto"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Lower-cased names."""
+    tenant: str | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    tier: str
+    rule: str
+    reason: str
+    score: float
+    escalated: bool = False
+    capped: bool = False
+    fallback_from: str | None = None
+    rejected: bool = False
+    """True when every candidate tier was full: answer 429."""
+
+
+def _matches(w: Condition, req: RouteRequest, score: ScoreLike) -> bool:
+    if w.score_below is not None and not score.value < w.score_below:
+        return False
+    if w.score_at_least is not None and not score.value >= w.score_at_least:
+        return False
+    if w.predicted is not None and score.tier not in w.predicted:
+        return False
+    if w.confidence_below is not None and not max(score.probabilities.values(), default=1.0) < w.confidence_below:
+        return False
+    if w.prompt_tokens_above is not None and not req.prompt_tokens > w.prompt_tokens_above:
+        return False
+    if w.prompt_tokens_at_most is not None and not req.prompt_tokens <= w.prompt_tokens_at_most:
+        return False
+    if w.headers is not None:
+        for name, expected in w.headers.items():
+            got = req.headers.get(name.lower())
+            allowed = [expected] if isinstance(expected, str) else expected
+            if got is None or got not in allowed:
+                return False
+    if w.model is not None and req.model not in w.model:
+        return False
+    return not (w.tenant is not None and req.tenant not in w.tenant)
+
+
+def _cap(policy: Policy, tier: str, tenant: str | None) -> tuple[str, bool]:
+    cfg = policy.tenants.get(tenant) if tenant is not None else None
+    if cfg is None or cfg.allowed_tiers is None or tier in cfg.allowed_tiers:
+        return tier, False
+    order = policy.tier_names
+    allowed = [t for t in order if t in cfg.allowed_tiers]
+    below = [t for t in allowed if order.index(t) < order.index(tier)]
+    return (below[-1] if below else allowed[0]), True
+
+
+def decide(
+    policy: Policy, request: RouteRequest, score: ScoreLike, tier_load: Mapping[str, bool] | None = None
+) -> Decision:
+    """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free."""
+    full = tier_load or {}
+    escalated = False
+    if request.model != "auto":
+        if request.model in policy.tiers:
+            tier, rule, reason = request.model, f"model:{request.model}", "tier requested by name"
+        elif request.model in policy.routing.aliases:
+            tier = policy.routing.aliases[request.model]
+            rule, reason = f"alias:{request.model}", f"alias '{request.model}' maps to '{tier}'"
+        else:
+            known = ", ".join(["auto", *policy.tiers, *policy.routing.aliases])
+            raise ModelNotFoundError(
+                f"The model '{request.model}' does not exist. Available: {known}.", param="model"
+            )
+    else:
+        for r in policy.routing.rules:
+            if r.when is None or _matches(r.when, request, score):
+                tier, rule = r.tier, r.name
+                reason = f"rule '{r.name}' matched" if r.when is not None else f"default rule '{r.name}'"
+                used_score = r.when is not None and r.when.uses_score
+                break
+        else:  # unreachable with a validated policy (its last rule has no 'when')
+            tier, rule, reason, used_score = policy.tier_names[-1], "implicit-default", "no rule matched", False
+        threshold = policy.routing.escalation.confidence_below
+        confidence = max(score.probabilities.values(), default=1.0)
+        if used_score and threshold is not None and confidence < threshold:
+            above = policy.tier_above(tier)
+            if above is not None:
+                reason += f"; escalated {tier} -> {above} (confidence {confidence:.2f} < {threshold})"
+                tier, escalated = above, True
+    tier, capped = _cap(policy, tier, request.tenant)
+    if capped:
+        reason += f"; capped to '{tier}' for tenant '{request.tenant}'"
+    fallback_from = None
+    seen = {tier}
+    while full.get(tier, False):
+        nxt = policy.routing.fallback.get(tier)
+        if nxt is not None:
+            nxt, _ = _cap(policy, nxt, request.tenant)
+        if nxt is None or nxt in seen:
+            return Decision(tier, rule, reason + f"; '{tier}' is full and has no free fallback", score.value,
+                            escalated, capped, fallback_from, rejected=True)
+        fallback_from = fallback_from or tier
+        reason += f"; '{tier}' full, fell back to '{nxt}'"
+        tier = nxt
+        seen.add(tier)
+    return Decision(tier, rule, reason, score.value, escalated, capped, fallback_from)
+

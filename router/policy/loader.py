@@ -1,0 +1,391 @@
+"""Load a policy YAML into the typed schema, reporting *every* error with its field path and line.
+
+Two passes: a structural one that walks the dataclass types (unknown keys, wrong types, missing
+fields) and a semantic one across fields (a draft naming a missing tier, draft cycles, thresholds
+out of order, unreachable rules...). Nothing is half-applied: either a whole ``Policy`` comes back
+or ``PolicyError`` lists what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from router.errors import PolicyError, PolicyIssue
+from router.policy import schema
+from router.policy.schema import SUPPORTED_VERSIONS, Condition, Policy
+
+__all__ = ["load_policy", "parse_policy"]
+
+Path_ = tuple[str | int, ...]
+
+
+def _fmt(path: Path_) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+class _Ctx:
+    def __init__(self, lines: dict[Path_, int]) -> None:
+        self.lines = lines
+        self.issues: list[PolicyIssue] = []
+
+    def error(self, path: Path_, message: str) -> None:
+        line = None
+        for i in range(len(path), -1, -1):  # nearest ancestor with a known line
+            if path[:i] in self.lines:
+                line = self.lines[path[:i]]
+                break
+        self.issues.append(PolicyIssue(_fmt(path), message, line))
+
+
+def _node_lines(node: yaml.Node, path: Path_, out: dict[Path_, int]) -> None:
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            k = key.value
+            out[(*path, k)] = key.start_mark.line + 1
+            _node_lines(value, (*path, k), out)
+            out[(*path, k)] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _node_lines(item, (*path, i), out)
+
+
+# -- structural pass ----------------------------------------------------------------------------
+_MISSING = object()
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(get_args(tp)[1])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: Path_, ctx: _Ctx) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for opt in options:  # the first option that converts without errors wins
+            if opt is type(None):
+                continue
+            trial = _Ctx(ctx.lines)
+            out = _convert(value, opt, path, trial)
+            if not trial.issues:
+                return out
+        ctx.error(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        return _MISSING
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        ctx.error(path, f"must be one of {_type_name(tp)}, got {_describe(value)}")
+        return _MISSING
+    if origin is list:
+        if not isinstance(value, list):
+            ctx.error(path, f"expected a list, got {_describe(value)}")
+            return _MISSING
+        (item_tp,) = get_args(tp)
+        return [_convert(v, item_tp, (*path, i), ctx) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            ctx.error(path, f"expected a mapping, got {_describe(value)}")
+            return _MISSING
+        _, val_tp = get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                ctx.error((*path, str(k)), f"keys must be strings, got {_describe(k)}")
+                continue
+            out[k] = _convert(v, val_tp, (*path, k), ctx)
+        return out
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(value, tp, path, ctx)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                ctx.error(path, "must be a finite number")
+                return _MISSING
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    ctx.error(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    return _MISSING
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {value}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) < 40 else text[:37] + '...'}"
+
+
+def _convert_dataclass(value: Any, cls: Any, path: Path_, ctx: _Ctx) -> Any:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        ctx.error(path, f"expected a mapping, got {_describe(value)}")
+        return _MISSING
+    hints = get_type_hints(cls, vars(schema))
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("source", "digest")}
+    for key in value:
+        if key not in fields:
+            close = [n for n in fields if n.startswith(str(key)[:3])]
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            ctx.error((*path, str(key)), f"unknown key{hint}; allowed: {', '.join(fields)}")
+    kwargs = {}
+    ok = True
+    for name, f in fields.items():
+        if name in value:
+            converted = _convert(value[name], hints[name], (*path, name), ctx)
+            if converted is _MISSING or _contains_missing(converted):
+                ok = False
+            else:
+                kwargs[name] = converted
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            ctx.error((*path, name), "is required")
+            ok = False
+    return cls(**kwargs) if ok else _MISSING
+
+
+def _contains_missing(value: Any) -> bool:
+    if value is _MISSING:
+        return True
+    if isinstance(value, list):
+        return any(_contains_missing(v) for v in value)
+    if isinstance(value, dict):
+        return any(_contains_missing(v) for v in value.values())
+    return False
+
+
+# -- semantic pass ------------------------------------------------------------------------------
+def _check(policy: Policy, ctx: _Ctx) -> None:
+    tiers = policy.tiers
+    names = list(tiers)
+    if policy.version not in SUPPORTED_VERSIONS:
+        ctx.error(("version",), f"unsupported version {policy.version}; supported: {list(SUPPORTED_VERSIONS)}")
+    if not tiers:
+        ctx.error(("tiers",), "at least one tier is required")
+    for name, tier in tiers.items():
+        p: Path_ = ("tiers", name)
+        if name == "auto":
+            ctx.error(p, "'auto' is reserved for routed requests")
+        for fname, minimum in (
+            ("max_num_seqs", 1),
+            ("max_queue", 0),
+            ("max_model_len", 16),
+            ("max_num_batched_tokens", 16),
+            ("speculative_tokens", 0),
+            ("prefix_cache_tokens", 0),
+            ("max_retries", 0),
+        ):
+            if getattr(tier, fname) < minimum:
+                ctx.error((*p, fname), f"must be >= {minimum}, got {getattr(tier, fname)}")
+        if tier.speculative_tokens > 16:
+            ctx.error((*p, "speculative_tokens"), f"must be <= 16, got {tier.speculative_tokens}")
+        if tier.timeout_s <= 0:
+            ctx.error((*p, "timeout_s"), "must be > 0")
+        d = tier.defaults
+        if d.max_tokens < 1:
+            ctx.error((*p, "defaults", "max_tokens"), "must be >= 1")
+        if not 0 <= d.temperature <= 2:
+            ctx.error((*p, "defaults", "temperature"), "must be in [0, 2]")
+        if not 0 < d.top_p <= 1:
+            ctx.error((*p, "defaults", "top_p"), "must be in (0, 1]")
+        if tier.draft is not None:
+            if tier.draft not in tiers:
+                ctx.error((*p, "draft"), f"names tier '{tier.draft}', which does not exist; tiers: {', '.join(names)}")
+            elif tier.draft == name:
+                ctx.error((*p, "draft"), "a tier cannot draft for itself")
+            elif tiers[tier.draft].is_remote:
+                ctx.error((*p, "draft"), f"tier '{tier.draft}' is remote and cannot be a draft (its KV is not in this process)")
+            if tier.is_remote:
+                ctx.error((*p, "draft"), "a remote tier cannot use a draft")
+    # Draft cycles: follow each chain; revisiting a tier is a cycle.
+    for start in names:
+        seen = [start]
+        cur = tiers[start].draft
+        while cur is not None and cur in tiers:
+            if cur in seen:
+                ctx.error(("tiers", start, "draft"), f"draft cycle: {' -> '.join([*seen, cur])}")
+                break
+            seen.append(cur)
+            cur = tiers[cur].draft
+    routing = policy.routing
+    for alias, target in routing.aliases.items():
+        if target not in tiers:
+            ctx.error(("routing", "aliases", alias), f"names tier '{target}', which does not exist")
+        if alias in tiers or alias == "auto":
+            ctx.error(("routing", "aliases", alias), "an alias cannot shadow a tier name or 'auto'")
+    for src, dst in routing.fallback.items():
+        if src not in tiers:
+            ctx.error(("routing", "fallback", src), f"'{src}' is not a tier")
+        if dst is not None and dst not in tiers:
+            ctx.error(("routing", "fallback", src), f"names tier '{dst}', which does not exist")
+    esc = routing.escalation.confidence_below
+    if esc is not None and not 0 < esc <= 1:
+        ctx.error(("routing", "escalation", "confidence_below"), "must be in (0, 1]")
+    _check_rules(policy, ctx)
+    for tenant, cfg in policy.tenants.items():
+        for i, t in enumerate(cfg.allowed_tiers or []):
+            if t not in tiers:
+                ctx.error(("tenants", tenant, "allowed_tiers", i), f"'{t}' is not a tier")
+        if cfg.allowed_tiers == []:
+            ctx.error(("tenants", tenant, "allowed_tiers"), "must name at least one tier")
+        if cfg.rate_limit_rpm is not None and cfg.rate_limit_rpm < 1:
+            ctx.error(("tenants", tenant, "rate_limit_rpm"), "must be >= 1")
+    svc = policy.service
+    if svc.max_body_bytes < 1024:
+        ctx.error(("service", "max_body_bytes"), "must be >= 1024")
+    for fname in ("queue_timeout_s", "drain_timeout_s"):
+        if getattr(svc, fname) <= 0:
+            ctx.error(("service", fname), "must be > 0")
+    if not 0 < svc.cache.semantic.threshold <= 1:
+        ctx.error(("service", "cache", "semantic", "threshold"), "must be in (0, 1]")
+    if svc.cache.max_entries < 1:
+        ctx.error(("service", "cache", "max_entries"), "must be >= 1")
+    if svc.cache.ttl_s <= 0:
+        ctx.error(("service", "cache", "ttl_s"), "must be > 0")
+
+
+def _check_rules(policy: Policy, ctx: _Ctx) -> None:
+    rules = policy.routing.rules
+    if not rules:
+        ctx.error(("routing", "rules"), "at least one rule is required (the last one without 'when')")
+        return
+    names: dict[str, int] = {}
+    covered_below: tuple[float, int] | None = None  # highest score_below of score-only rules so far
+    for i, rule in enumerate(rules):
+        p: Path_ = ("routing", "rules", i)
+        if rule.name in names:
+            ctx.error((*p, "name"), f"duplicate rule name '{rule.name}' (also rules[{names[rule.name]}])")
+        names[rule.name] = i
+        if not rule.name.strip():
+            ctx.error((*p, "name"), "must not be empty")
+        if rule.tier not in policy.tiers:
+            ctx.error((*p, "tier"), f"names tier '{rule.tier}', which does not exist; tiers: {', '.join(policy.tiers)}")
+        if i > 0 and rules[i - 1].when is None:
+            ctx.error(p, f"unreachable: rules[{i - 1}] ('{rules[i - 1].name}') has no 'when' and matches everything")
+        w = rule.when
+        if w is None:
+            continue
+        _check_condition(w, (*p, "when"), ctx)
+        if w.is_score_only and w.score_below is not None and w.score_at_least is None:
+            if covered_below is not None and w.score_below <= covered_below[0]:
+                j = covered_below[1]
+                ctx.error(
+                    (*p, "when", "score_below"),
+                    f"thresholds out of order: {w.score_below} must be greater than "
+                    f"rules[{j}].when.score_below ({covered_below[0]}), or this rule never matches",
+                )
+            else:
+                covered_below = (w.score_below, i)
+        for j in range(i):
+            if rules[j].when == w:
+                ctx.error(p, f"unreachable: rules[{j}] ('{rules[j].name}') has the same conditions and comes first")
+                break
+    if rules[-1].when is not None:
+        ctx.error(("routing", "rules", len(rules) - 1), "the last rule must have no 'when' (the default rule)")
+
+
+def _check_condition(w: Condition, p: Path_, ctx: _Ctx) -> None:
+    for fname in ("score_below", "score_at_least", "confidence_below"):
+        v = getattr(w, fname)
+        if v is not None and not 0 <= v <= 1:
+            ctx.error((*p, fname), f"must be in [0, 1], got {v}")
+    if w.score_below is not None and w.score_at_least is not None and w.score_at_least >= w.score_below:
+        ctx.error((*p, "score_at_least"), "must be below score_below, or the rule never matches")
+    if (
+        w.prompt_tokens_above is not None
+        and w.prompt_tokens_at_most is not None
+        and w.prompt_tokens_above >= w.prompt_tokens_at_most
+    ):
+        ctx.error((*p, "prompt_tokens_above"), "must be below prompt_tokens_at_most, or the rule never matches")
+    for i, cls in enumerate(w.predicted or []):
+        if cls not in ("small", "medium", "large"):
+            ctx.error((*p, "predicted", i), f"must be small, medium or large, got '{cls}'")
+    if all(getattr(w, f.name) is None for f in dataclasses.fields(w)):
+        ctx.error(p, "is empty; remove 'when' for a default rule")
+
+
+# -- entry points -------------------------------------------------------------------------------
+def parse_policy(text: str, source: str = "<string>") -> Policy:
+    """Parse and validate policy YAML text; raise ``PolicyError`` listing every issue."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError(source, [PolicyIssue("(syntax)", str(getattr(exc, "problem", exc)), line)]) from None
+    lines: dict[Path_, int] = {}
+    if node is not None:
+        _node_lines(node, (), lines)
+    ctx = _Ctx(lines)
+    if not isinstance(data, dict):
+        ctx.error((), f"a policy is a mapping with 'tiers' and 'routing', got {_describe(data)}")
+        raise PolicyError(source, ctx.issues)
+    policy = _convert_dataclass(data, Policy, (), ctx)
+    if policy is not _MISSING and not ctx.issues:
+        _check(policy, ctx)
+    if ctx.issues:
+        raise PolicyError(source, ctx.issues)
+    assert isinstance(policy, Policy)
+    policy.source = source
+    policy.digest = hashlib.sha256(text.encode()).hexdigest()
+    return policy
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(str(p), [PolicyIssue("(file)", f"cannot read policy file: {exc}", None)]) from None
+    return parse_policy(text, str(p))
+
+
+def policy_to_dict(obj: Any) -> Any:
+    """The policy as plain data (for ``/v1/route`` debugging and the dashboard)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: policy_to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: policy_to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [policy_to_dict(v) for v in obj]
+    return obj
+

@@ -1,0 +1,234 @@
+"""The routing policy's typed schema. Each field's docstring is its documentation (README mirrors it).
+
+These are plain dataclasses built by ``loader.load_policy`` from YAML, which reports every
+unknown key, wrong type and cross-field error with its field path and line number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "AuthConfig",
+    "CacheConfig",
+    "ClassifierConfig",
+    "Condition",
+    "EscalationConfig",
+    "GenerationDefaults",
+    "Policy",
+    "Routing",
+    "Rule",
+    "SemanticCacheConfig",
+    "ServiceConfig",
+    "TelemetryConfig",
+    "TenantConfig",
+    "TierConfig",
+]
+
+SUPPORTED_VERSIONS = (1,)
+
+
+@dataclass(slots=True)
+class GenerationDefaults:
+    max_tokens: int = 256
+    """Used when a request sets neither ``max_tokens`` nor ``max_completion_tokens``."""
+    temperature: float = 1.0
+    """Used when a request omits ``temperature`` (OpenAI's default is 1)."""
+    top_p: float = 1.0
+
+
+@dataclass(slots=True)
+class TierConfig:
+    model: str
+    """``embedded:smollm2-135m-instruct``, a local HF directory, a ``.gguf`` file, a hub id, or an
+    ``http(s)://`` URL of an OpenAI-compatible server (a remote tier, e.g. vLLM or TGI)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``auto``: bf16 on GPUs; on CPUs fp32, or bf16 activations for quantized weights."""
+    quantization: Literal["none", "int8", "int4"] = "none"
+    """Weight-only quantization applied at load."""
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``..."""
+    max_num_seqs: int = 16
+    """Sequences decoded together (KV slots)."""
+    max_queue: int = 64
+    """Requests allowed to wait for a slot; beyond it the fallback applies, else 429."""
+    max_model_len: int = 2048
+    """Context length (prompt + output tokens) per sequence."""
+    max_num_batched_tokens: int = 512
+    """Prefill chunk budget per step: long prompts are split so decodes keep flowing."""
+    draft: str | None = None
+    """Tier whose model drafts speculative tokens for this one (usually the tier below); null = off."""
+    speculative_tokens: int = 4
+    """Most tokens drafted per step; the engine picks 0..this each step by measured cost."""
+    prefix_cache_tokens: int = 16384
+    """KV tokens kept for shared prompt prefixes (0 = off)."""
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    served_model_name: str | None = None
+    """Remote tiers: the ``model`` value sent upstream (default: the tier name)."""
+    api_key_env: str | None = None
+    """Remote tiers: environment variable holding the upstream API key."""
+    timeout_s: float = 120.0
+    """Remote tiers: per-request timeout."""
+    max_retries: int = 2
+    """Remote tiers: retries on connect errors and 502/503/504 before any byte is streamed."""
+
+    @property
+    def is_remote(self) -> bool:
+        return self.model.startswith(("http://", "https://"))
+
+
+@dataclass(slots=True)
+class Condition:
+    """Every field that is set must hold (AND). Leave ``when`` out for an always-matching rule."""
+
+    score_below: float | None = None
+    """Complexity score (0..1) strictly below this."""
+    score_at_least: float | None = None
+    """Complexity score at least this."""
+    predicted: list[str] | None = None
+    """The classifier's most likely class is one of these (small/medium/large)."""
+    confidence_below: float | None = None
+    """The classifier's top probability is below this."""
+    prompt_tokens_above: int | None = None
+    prompt_tokens_at_most: int | None = None
+    headers: dict[str, str | list[str]] | None = None
+    """Request header equals the value (or one of the values); names are case-insensitive."""
+    model: list[str] | None = None
+    """The request's ``model`` field is one of these."""
+    tenant: list[str] | None = None
+    """The caller's tenant (from its API key, else the ``x-tenant`` header)."""
+
+    @property
+    def uses_score(self) -> bool:
+        return any(
+            v is not None for v in (self.score_below, self.score_at_least, self.predicted, self.confidence_below)
+        )
+
+    @property
+    def is_score_only(self) -> bool:
+        return self.uses_score and all(
+            v is None
+            for v in (
+                self.predicted,
+                self.confidence_below,
+                self.prompt_tokens_above,
+                self.prompt_tokens_at_most,
+                self.headers,
+                self.model,
+                self.tenant,
+            )
+        )
+
+
+@dataclass(slots=True)
+class Rule:
+    name: str
+    """Shown in ``x-router-rule``, ``/v1/route``, spans and metrics."""
+    tier: str
+    when: Condition | None = None
+
+
+@dataclass(slots=True)
+class EscalationConfig:
+    confidence_below: float | None = None
+    """When a score-based rule fired and the classifier's top probability is below this, route one
+    tier up (the uncertain prompt gets the stronger model). null = off."""
+
+
+@dataclass(slots=True)
+class Routing:
+    rules: list[Rule] = field(default_factory=list)
+    """Evaluated in order; the first match wins. The last rule must have no ``when`` (the default)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """``model`` names that force a tier, e.g. ``fast: small``."""
+    fallback: dict[str, str | None] = field(default_factory=dict)
+    """When a tier's queue is full, try this tier instead; null (or absent) = reject with 429."""
+    escalation: EscalationConfig = field(default_factory=EscalationConfig)
+
+
+@dataclass(slots=True)
+class TenantConfig:
+    allowed_tiers: list[str] | None = None
+    """Tiers this tenant may use (default: all). A decision above them is capped to the highest allowed."""
+    rate_limit_rpm: int | None = None
+    """Requests per minute for this tenant (token bucket); null = unlimited."""
+
+
+@dataclass(slots=True)
+class AuthConfig:
+    api_keys_env: str | None = None
+    """Environment variable with ``key`` or ``key:tenant`` entries, comma-separated."""
+    api_keys_file: str | None = None
+    """File with one ``key`` or ``key:tenant`` per line (a mounted Kubernetes Secret)."""
+
+
+@dataclass(slots=True)
+class SemanticCacheConfig:
+    enabled: bool = False
+    threshold: float = 0.92
+    """Cosine similarity of the last user turn's embedding needed for a hit."""
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    enabled: bool = True
+    ttl_s: float = 600.0
+    max_entries: int = 10000
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url_env: str = "REDIS_URL"
+    """Environment variable with the Redis URL (backend: redis)."""
+    cache_sampled: bool = False
+    """Also cache requests with temperature > 0 (off: only deterministic requests are cached)."""
+    semantic: SemanticCacheConfig = field(default_factory=SemanticCacheConfig)
+
+
+@dataclass(slots=True)
+class ClassifierConfig:
+    path: str | None = None
+    """Directory with ``model.onnx`` + ``metadata.json``; null = the shipped artifact."""
+    context_chars: int = 2000
+    """Characters of earlier turns scored with the last user turn."""
+
+
+@dataclass(slots=True)
+class TelemetryConfig:
+    record_content: bool = False
+    """Put prompts and outputs on spans. Off by default: traces often leave the trust boundary."""
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    max_body_bytes: int = 1_048_576
+    """Request bodies above this get 413 before they are read in full."""
+    queue_timeout_s: float = 30.0
+    """A request waiting this long for its first token is answered 503."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, in-flight work gets this long to finish before it is cancelled."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+
+@dataclass(slots=True)
+class Policy:
+    tiers: dict[str, TierConfig]
+    """Ordered from cheapest to strongest: escalation moves one step along this order."""
+    routing: Routing
+    version: int = 1
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    source: str = ""
+    """Where it was loaded from (set by the loader, not a YAML key)."""
+    digest: str = ""
+    """sha256 of the file's bytes: the policy version in cache keys and logs (set by the loader)."""
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self.tiers)
+
+    def tier_above(self, tier: str) -> str | None:
+        names = self.tier_names
+        i = names.index(tier)
+        return names[i + 1] if i + 1 < len(names) else None

@@ -1,0 +1,104 @@
+"""The device worker: the one thread that runs every torch operation of the service.
+
+Why one thread for all tiers, not a thread per engine: measured on this CPU, torch's OpenMP
+kernels run at full speed only on the first thread that uses them. A second thread with its own
+OpenMP pool oversubscribes the cores, libgomp falls back to short spin-waits, and the int8 kernel
+that makes the lower tiers cheap ran 3x slower (30 us -> 90 us per call), which erased the
+speculative speed-up. On a GPU the tiers share one device and its steps serialize anyway.
+
+So model loading, warm-up and every engine step run here, round-robin across the engines that
+have work: one step each per turn, so a busy tier cannot starve the others.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from tiers.engine import Engine
+
+__all__ = ["DeviceWorker"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class DeviceWorker:
+    def __init__(self, name: str = "device") -> None:
+        self.engines: list[Engine] = []
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def add_engine(self, engine: Engine) -> None:
+        self.engines = [*self.engines, engine]  # copy-on-write: the loop iterates without a lock
+        self.wake()
+
+    def remove_engine(self, engine: Engine) -> None:
+        self.engines = [e for e in self.engines if e is not engine]
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the device thread between engine steps."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        self.wake()
+        return fut
+
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Blocking ``submit``; never call it from the device thread itself."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self.submit(fn).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is left in every engine and end the thread."""
+        self._stopping = True
+        self.wake()
+        self._thread.join(timeout)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def _loop(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            self._run_calls()
+            did_work = False
+            for engine in self.engines:
+                if engine.has_work():
+                    try:
+                        did_work = engine.step() or did_work
+                    except Exception:  # engine.step guards itself; this is the last line of defence
+                        log.exception("engine %s: unhandled error in step", engine.name)
+            if not did_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._run_calls()
+        for engine in self.engines:
+            engine.abort_all()

@@ -1,0 +1,84 @@
+"""What an engine hands back per step, and the text side of it: incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["IncrementalDetokenizer", "StepOutput"]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """New text and tokens of one sequence from one engine step (several tokens with speculation)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas, holding back what may still change.
+
+    Two things are held back: a trailing incomplete UTF-8 sequence (decodes to U+FFFD until its last
+    byte-token arrives), and a suffix that could be the start of a stop string, since OpenAI never
+    returns the stop string itself.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""  # all decoded text so far (truncated at a stop string once found)
+        self.emitted = 0  # chars of self.text already returned
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    def add(self, token_id: int) -> None:
+        """Append one token; sets ``stopped`` when a stop string completes."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return
+        before = len(self.text)
+        self.text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if self.stop:
+            longest = max(len(s) for s in self.stop)
+            window_start = max(0, before - longest + 1)
+            hits = [i for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """Text not yet returned that can no longer change (everything, when ``final``)."""
+        end = len(self.text)
+        if not final and not self.stopped and self.stop:
+            end -= self._partial_stop_len()
+        end = max(end, self.emitted)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
