@@ -84,9 +84,16 @@ class DeviceWorker:
                 fut.set_exception(exc)
 
     def _loop(self) -> None:
+        import os
+
         import torch
 
         torch.set_grad_enabled(False)
+        threads = os.environ.get("TIERED_ROUTER_TORCH_THREADS")
+        if threads:
+            # Intra-op threads of every kernel run here. Fewer than the cores leaves room for the
+            # HTTP loop; 1 avoids OpenMP barrier stalls when the other cores are busy.
+            torch.set_num_threads(max(1, int(threads)))
         while not self._stopping:
             self._run_calls()
             did_work = False

@@ -131,7 +131,7 @@ class Engine:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, on_admit=self._on_admit)
         self.draft = draft_runner
         self.spec = SpecController(max_k=speculative_tokens if draft_runner is not None else 0)
         self.prefix_cache = prefix_cache
@@ -224,21 +224,20 @@ class Engine:
     def step(self) -> bool:
         """schedule -> run -> postprocess, once. Returns False when there was nothing to run."""
         self._drain_inbox()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return False
+        batch = None
         started = time.perf_counter()
         try:
-            self._apply_slot_moves(batch)
-            for seq in batch.admitted:
-                self._on_admit(seq)
+            self._apply_slot_moves()
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return False
             self._run_isolated(batch)
-        except Exception:  # a bug in the step itself: fail the batch, keep the engine alive
+        except Exception:  # a bug in the step itself: fail what it touched, keep the engine alive
             log.exception("engine %s: step failed", self.name)
-            for seq in list(batch.seqs):
+            for seq in list(batch.seqs if batch is not None else self.scheduler.running):
                 self._fail(seq, "internal error in the engine step")
         self.num_steps += 1
-        if self.observer is not None:
+        if self.observer is not None and batch is not None:
             self.observer.on_step(self.name, batch.kind, batch.num_seqs, time.perf_counter() - started)
         return True
 
@@ -248,8 +247,8 @@ class Engine:
         for tracked in list(self._tracked.values()):
             self._finish(tracked, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
 
-    def _apply_slot_moves(self, batch: ScheduledBatch) -> None:
-        for src, dst, seq in batch.slot_moves:
+    def _apply_slot_moves(self) -> None:
+        for src, dst, seq in self.scheduler.take_pending_moves():
             self.runner.move_slot(src, dst, seq.num_computed_tokens)
             if self.draft is not None:
                 self.draft.move_slot(src, dst, seq.num_draft_computed_tokens)
@@ -533,13 +532,13 @@ class Engine:
 
 
 def _timings(seq: Sequence) -> dict[str, float]:
-    t: dict[str, float] = {}
-    if seq.first_scheduled_time is not None:
-        t["queue"] = seq.first_scheduled_time - seq.arrival_time
-    if seq.first_token_time is not None:
-        t["ttft"] = seq.first_token_time - seq.arrival_time
-    if seq.finish_time is not None:
-        t["e2e"] = seq.finish_time - seq.arrival_time
-        if seq.first_token_time is not None and seq.num_output_tokens > 1:
-            t["itl"] = (seq.finish_time - seq.first_token_time) / (seq.num_output_tokens - 1)
+    """Monotonic timestamps of the request's phases (telemetry turns them into spans and histograms)."""
+    t = {"arrival": seq.arrival_time}
+    for name, value in (
+        ("scheduled", seq.first_scheduled_time),
+        ("first_token", seq.first_token_time),
+        ("finish", seq.finish_time),
+    ):
+        if value is not None:
+            t[name] = value
     return t

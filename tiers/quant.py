@@ -135,14 +135,24 @@ def _untie_head(model: nn.Module) -> None:
             model.config.tie_word_embeddings = False
 
 
+ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 16
+"""Below this a weight is cache-resident and the layout reorders cost more than they save."""
+
+
 def use_onednn_linears(model: nn.Module) -> nn.Module:
-    """Swap every fp32 CPU ``nn.Linear`` for ``OneDnnLinear`` (no-op where oneDNN is unavailable)."""
+    """Swap large fp32 CPU ``nn.Linear``s for ``OneDnnLinear`` (no-op where oneDNN is unavailable)."""
     if not torch.backends.mkldnn.is_available():
         return model
-    _untie_head(model)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and head.weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS:
+        _untie_head(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
+            if (
+                isinstance(child, nn.Linear)
+                and child.weight.device.type == "cpu"
+                and child.weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
+            ):
                 setattr(parent, name, OneDnnLinear(child))
     return model
 

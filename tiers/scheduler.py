@@ -16,10 +16,11 @@ chunked prefill is for.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tiers.sequence import FinishReason, Sequence, SequenceStatus
+from tiers.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "SlotMove", "SlotTable"]
 
@@ -89,10 +90,8 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     """Tokens fed per sequence this step, speculative tokens not included."""
-    slot_moves: list[SlotMove] = field(default_factory=list)
-    """KV copies to apply before the forward, in order."""
     admitted: list[Sequence] = field(default_factory=list)
-    """Sequences that got a slot this step (prefix-cache lookup happens for them)."""
+    """Sequences that got a slot this step."""
 
     @property
     def num_seqs(self) -> int:
@@ -100,8 +99,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, on_admit: Callable[[Sequence], None] | None = None) -> None:
+        """``on_admit`` runs when a sequence gets its slot, before its first chunk is sized: the
+        engine loads prefix-cache hits there (advancing ``num_computed_tokens``)."""
         self.config = config
+        self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.slots = SlotTable(config.max_num_seqs)
@@ -146,7 +148,6 @@ class Scheduler:
             return None
         self._last_kind = batch.kind
         batch.admitted = admitted
-        batch.slot_moves, self._pending_moves = self._pending_moves, []
         return batch
 
     def _admit(self) -> list[Sequence]:
@@ -159,6 +160,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
         return admitted
 
     def _prefill_batch(self, prefilling: list[Sequence]) -> ScheduledBatch:
@@ -195,3 +198,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def take_pending_moves(self) -> list[SlotMove]:
+        """KV copies owed since the last call, in order. Apply them before the next ``schedule()``:
+        a new sequence may be admitted into a slot that is the source of a pending move."""
+        moves, self._pending_moves = self._pending_moves, []
+        return moves

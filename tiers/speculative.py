@@ -72,6 +72,8 @@ class SpecController:
     target_cost: dict[tuple[int, int], float] = field(default_factory=dict)
     draft_cost: dict[tuple[int, int], float] = field(default_factory=dict)
     steps_without_spec: int = 0
+    fixed_k: int | None = None
+    """Pin k (benchmarks and tests); None lets the cost model choose."""
 
     def _cost(self, table: dict[tuple[int, int], float], bucket: int, tokens: int) -> float | None:
         if (bucket, tokens) in table:
@@ -102,6 +104,8 @@ class SpecController:
     def choose_k(self, batch_size: int) -> int:
         if self.max_k <= 0:
             return 0
+        if self.fixed_k is not None:
+            return min(self.fixed_k, self.max_k)
         rates = {k: self.expected_rate(k, batch_size) for k in range(self.max_k + 1)}
         if any(r is None for r in rates.values()):
             return self.max_k  # not profiled yet: measure by doing

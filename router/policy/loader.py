@@ -9,6 +9,7 @@ or ``PolicyError`` lists what to fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import math
 import types
@@ -107,7 +108,8 @@ def _convert(value: Any, tp: Any, path: Path_, ctx: _Ctx) -> Any:
             ctx.error(path, f"expected a list, got {_describe(value)}")
             return _MISSING
         (item_tp,) = get_args(tp)
-        return [_convert(v, item_tp, (*path, i), ctx) for i, v in enumerate(value)]
+        items = [_convert(v, item_tp, (*path, i), ctx) for i, v in enumerate(value)]
+        return [v for v in items if v is not _MISSING]  # bad items are reported; keep checking the rest
     if origin is dict:
         if not isinstance(value, dict):
             ctx.error(path, f"expected a mapping, got {_describe(value)}")
@@ -118,7 +120,9 @@ def _convert(value: Any, tp: Any, path: Path_, ctx: _Ctx) -> Any:
             if not isinstance(k, str):
                 ctx.error((*path, str(k)), f"keys must be strings, got {_describe(k)}")
                 continue
-            out[k] = _convert(v, val_tp, (*path, k), ctx)
+            converted = _convert(v, val_tp, (*path, k), ctx)
+            if converted is not _MISSING:
+                out[k] = converted
         return out
     if dataclasses.is_dataclass(tp):
         return _convert_dataclass(value, tp, path, ctx)
@@ -164,32 +168,24 @@ def _convert_dataclass(value: Any, cls: Any, path: Path_, ctx: _Ctx) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("source", "digest")}
     for key in value:
         if key not in fields:
-            close = [n for n in fields if n.startswith(str(key)[:3])]
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             ctx.error((*path, str(key)), f"unknown key{hint}; allowed: {', '.join(fields)}")
     kwargs = {}
     ok = True
     for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name in value:
             converted = _convert(value[name], hints[name], (*path, name), ctx)
-            if converted is _MISSING or _contains_missing(converted):
-                ok = False
-            else:
+            if converted is not _MISSING:
                 kwargs[name] = converted
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            elif required:
+                ok = False
+            # else: the error is recorded and the default stands in, so later checks still run
+        elif required:
             ctx.error((*path, name), "is required")
             ok = False
     return cls(**kwargs) if ok else _MISSING
-
-
-def _contains_missing(value: Any) -> bool:
-    if value is _MISSING:
-        return True
-    if isinstance(value, list):
-        return any(_contains_missing(v) for v in value)
-    if isinstance(value, dict):
-        return any(_contains_missing(v) for v in value.values())
-    return False
 
 
 # -- semantic pass ------------------------------------------------------------------------------
@@ -360,10 +356,10 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
         ctx.error((), f"a policy is a mapping with 'tiers' and 'routing', got {_describe(data)}")
         raise PolicyError(source, ctx.issues)
     policy = _convert_dataclass(data, Policy, (), ctx)
-    if policy is not _MISSING and not ctx.issues:
+    if policy is not _MISSING:
         _check(policy, ctx)
     if ctx.issues:
-        raise PolicyError(source, ctx.issues)
+        raise PolicyError(source, sorted(ctx.issues, key=lambda i: (i.line or 0)))
     assert isinstance(policy, Policy)
     policy.source = source
     policy.digest = hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,271 @@
+"""The policy's tiers as running backends: local engines (on the one device worker) or remote servers.
+
+``build_tiers`` loads models, wires each tier's draft to the tier below's model object (shared,
+not copied), warms every engine and returns a ``TierSet``. When a reloaded policy changes only
+some tiers, the unchanged ones are reused as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from router.errors import BadRequestError, PolicyError, PolicyIssue
+from tiers.engine import Engine, EngineObserver
+from tiers.output import StepOutput
+from tiers.remote import RemoteTier
+from tiers.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from router.policy.schema import Policy, TierConfig
+    from tiers.device import DeviceWorker
+    from tiers.loading import LoadedModel
+
+__all__ = ["LocalTier", "TierSet", "build_tiers", "engine_key"]
+
+log = logging.getLogger(__name__)
+
+
+def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
+    """Everything that needs a new engine when it changes (routing-only edits reuse the engine)."""
+    return (
+        cfg.model,
+        cfg.dtype,
+        cfg.quantization,
+        cfg.device,
+        cfg.max_num_seqs,
+        cfg.max_queue,
+        cfg.max_model_len,
+        cfg.max_num_batched_tokens,
+        cfg.draft,
+        cfg.speculative_tokens,
+        cfg.prefix_cache_tokens,
+        cfg.served_model_name,
+        cfg.api_key_env,
+        cfg.timeout_s,
+        cfg.max_retries,
+    )
+
+
+class LocalTier:
+    """A tier served in-process by an ``Engine``."""
+
+    is_remote = False
+
+    def __init__(self, name: str, cfg: TierConfig, engine: Engine, draft_of: str | None) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.draft_tier = draft_of
+        self.key = engine_key(cfg)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_model_len
+
+    def is_full(self) -> bool:
+        return self.engine.load().is_full
+
+    def prompt_ids(self, kind: str, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
+        if kind == "chat":
+            assert messages is not None
+            if getattr(self.tokenizer, "chat_template", None):
+                out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = out["input_ids"] if isinstance(out, Mapping) else out
+                return list(ids)
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            return list(self.tokenizer.encode(text))
+        assert prompt is not None
+        return list(self.tokenizer.encode(prompt)) or [self.tokenizer.eos_token_id or 0]
+
+    def clamp_max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
+        """OpenAI semantics: a prompt that cannot fit is a 400; ``max_tokens`` is clamped to the room left."""
+        room = self.max_model_len - num_prompt
+        if room < 1:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"is {num_prompt} tokens (tier '{self.name}').",
+                param="messages" if param == "max_completion_tokens" else "prompt",
+                code="context_length_exceeded",
+            )
+        wanted = requested if requested is not None else self.cfg.defaults.max_tokens
+        return max(1, min(wanted, room))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        handle = self.engine.submit(prompt_ids, params)
+        async for out in handle:
+            yield out
+
+
+class RemoteBackend:
+    """A tier served by an OpenAI-compatible URL."""
+
+    is_remote = True
+
+    def __init__(self, name: str, cfg: TierConfig, client: RemoteTier) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.client = client
+        self.key = engine_key(cfg)
+        self.draft_tier = None
+
+    def is_full(self) -> bool:
+        return self.client.load().is_full
+
+
+Backend = LocalTier | RemoteBackend
+
+
+@dataclass
+class TierSet:
+    tiers: dict[str, Backend]
+    worker: DeviceWorker | None
+    models: dict[tuple[Any, ...], LoadedModel] = field(default_factory=dict)
+    ready: bool = False
+
+    def get(self, name: str) -> Backend:
+        return self.tiers[name]
+
+    def load_map(self) -> dict[str, bool]:
+        return {name: b.is_full() for name, b in self.tiers.items()}
+
+    def counting_tokenizer(self) -> Any:
+        """The tokenizer used to count prompt tokens for routing rules: the first local tier's."""
+        for b in self.tiers.values():
+            if isinstance(b, LocalTier):
+                return b.tokenizer
+        return None
+
+    def engines(self) -> list[Engine]:
+        return [b.engine for b in self.tiers.values() if isinstance(b, LocalTier)]
+
+    async def aclose(self) -> None:
+        for b in self.tiers.values():
+            if isinstance(b, RemoteBackend):
+                await b.client.aclose()
+
+
+def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
+    return (cfg.model, cfg.dtype, cfg.quantization, cfg.device)
+
+
+def _check_draft_compatible(policy_source: str, tier: str, draft: str, target: LoadedModel, drafter: LoadedModel) -> None:
+    """A draft must share the target's vocabulary: its token ids are fed to the target as they are."""
+    t_vocab = target.tokenizer.get_vocab()
+    d_vocab = drafter.tokenizer.get_vocab()
+    t_size = target.model.get_output_embeddings().out_features
+    d_size = drafter.model.get_output_embeddings().out_features
+    if t_vocab != d_vocab or t_size != d_size:
+        raise PolicyError(
+            policy_source,
+            [
+                PolicyIssue(
+                    f"tiers.{tier}.draft",
+                    f"tier '{draft}' cannot draft for tier '{tier}': their tokenizers/vocabularies differ "
+                    f"({len(d_vocab)} vs {len(t_vocab)} tokens, {d_size} vs {t_size} logits)",
+                )
+            ],
+        )
+
+
+def build_tiers(
+    policy: Policy,
+    worker: DeviceWorker,
+    *,
+    observer: EngineObserver | None = None,
+    reuse: TierSet | None = None,
+) -> TierSet:
+    """Load and warm every tier of ``policy`` (blocking; runs model work on ``worker``).
+
+    Tiers whose ``engine_key`` is unchanged in ``reuse`` are taken over as they are; so are loaded
+    models with the same (model, dtype, quantization, device).
+    """
+    from tiers.loading import load_model
+    from tiers.model_runner import ModelRunner
+    from tiers.prefix_cache import PrefixCache
+    from tiers.scheduler import SchedulerConfig
+
+    started = time.monotonic()
+    models: dict[tuple[Any, ...], LoadedModel] = {}
+    old_models = reuse.models if reuse is not None else {}
+    for cfg in policy.tiers.values():
+        if cfg.is_remote:
+            continue
+        key = _model_key(cfg)
+        if key in models:
+            continue
+        if key in old_models:
+            models[key] = old_models[key]
+            continue
+        log.info("loading model %s (dtype=%s, quantization=%s, device=%s)", cfg.model, cfg.dtype, cfg.quantization, cfg.device)
+        models[key] = worker.call(
+            lambda cfg=cfg: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, quantization=cfg.quantization)
+        )
+    backends: dict[str, Backend] = {}
+    new_engines: list[Engine] = []
+    for name, cfg in policy.tiers.items():
+        old = reuse.tiers.get(name) if reuse is not None else None
+        if old is not None and old.key == engine_key(cfg) and (
+            cfg.draft is None or (reuse is not None and reuse.tiers.get(cfg.draft) is not None
+                                  and reuse.tiers[cfg.draft].key == engine_key(policy.tiers[cfg.draft]))
+        ):
+            old.cfg = cfg
+            backends[name] = old
+            continue
+        if cfg.is_remote:
+            api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+            client = RemoteTier(
+                name,
+                cfg.model,
+                served_model=cfg.served_model_name,
+                api_key=api_key,
+                timeout_s=cfg.timeout_s,
+                max_retries=cfg.max_retries,
+                capacity=cfg.max_num_seqs + cfg.max_queue,
+            )
+            backends[name] = RemoteBackend(name, cfg, client)
+            continue
+        loaded = models[_model_key(cfg)]
+        draft_loaded = None
+        if cfg.draft is not None:
+            draft_loaded = models[_model_key(policy.tiers[cfg.draft])]
+            _check_draft_compatible(policy.source, name, cfg.draft, loaded, draft_loaded)
+        sched = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            max_waiting=cfg.max_queue,
+        )
+
+        def make_engine(name: str = name, cfg: TierConfig = cfg, loaded: LoadedModel = loaded,
+                        draft_loaded: LoadedModel | None = draft_loaded, sched: SchedulerConfig = sched) -> Engine:
+            runner = ModelRunner(loaded, num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
+            draft_runner = (
+                ModelRunner(draft_loaded, num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
+                if draft_loaded is not None and cfg.speculative_tokens > 0
+                else None
+            )
+            engine = Engine(
+                name,
+                runner,
+                sched,
+                draft_runner=draft_runner,
+                speculative_tokens=cfg.speculative_tokens,
+                prefix_cache=PrefixCache(cfg.prefix_cache_tokens) if cfg.prefix_cache_tokens else None,
+                observer=observer,
+            )
+            engine.warmup()
+            return engine
+
+        engine = worker.call(make_engine)
+        new_engines.append(engine)
+        backends[name] = LocalTier(name, cfg, engine, cfg.draft)
+    for engine in new_engines:
+        engine.attach(worker)
+    log.info("tiers ready in %.1fs: %s", time.monotonic() - started, ", ".join(backends))
+    return TierSet(backends, worker, models, ready=True)

@@ -1,0 +1,202 @@
+"""``tiered-router`` command line: serve, route, policy check, classifier, models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+log = logging.getLogger("tiered-router")
+
+DEFAULT_POLICY = "policies/default.yaml"
+
+
+def _policy_error_exit(exc: Exception) -> int:
+    print(str(exc), file=sys.stderr)
+    return 2
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    from router.errors import PolicyError
+    from router.policy.loader import load_policy
+
+    try:
+        policy = load_policy(args.file)
+    except PolicyError as exc:
+        return _policy_error_exit(exc)
+    print(f"{args.file}: valid (version {policy.version}, tiers: {', '.join(policy.tiers)}, "
+          f"{len(policy.routing.rules)} rules)")
+    return 0
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from classifier import ComplexityClassifier
+    from router.errors import PolicyError, RouterError
+    from router.policy.decide import RouteRequest, decide
+    from router.policy.loader import load_policy
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        return _policy_error_exit(exc)
+    clf = ComplexityClassifier.load(policy.service.classifier.path)
+    score = clf.score(args.prompt)
+    headers = dict(h.lower().split(":", 1) for h in args.header) if args.header else {}
+    request = RouteRequest(model=args.model, headers={k.strip(): v.strip() for k, v in headers.items()},
+                           tenant=args.tenant, prompt_tokens=len(args.prompt) // 4)
+    try:
+        d = decide(policy, request, score)
+    except RouterError as exc:
+        print(json.dumps(exc.to_body()), file=sys.stderr)
+        return 1
+    print(json.dumps({
+        "tier": d.tier,
+        "score": round(score.value, 4),
+        "rule": d.rule,
+        "reason": d.reason,
+        "predicted": score.tier,
+        "probabilities": {k: round(v, 4) for k, v in score.probabilities.items()},
+    }, indent=2))
+    return 0
+
+
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    from router.errors import PolicyError
+    from router.policy.loader import load_policy
+    from tiers.loading import ModelLoadError, materialize_embedded
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        return _policy_error_exit(exc)
+    names = sorted({t.model.removeprefix("embedded:") for t in policy.tiers.values() if t.model.startswith("embedded:")})
+    for name in names:
+        try:
+            path = materialize_embedded(name)
+        except ModelLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"embedded:{name} ready at {path}")
+    if not names:
+        print("no embedded models in this policy; nothing to prepare")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.errors import PolicyError
+
+    try:
+        app = create_app(args.policy)
+    except PolicyError as exc:
+        return _policy_error_exit(exc)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                            timeout_graceful_shutdown=10, access_log=args.access_log)
+    server = DrainingServer(config, app)
+    asyncio.run(server.serve())
+    return 0
+
+
+class DrainingServer:
+    """uvicorn with Kubernetes-friendly SIGTERM handling.
+
+    On SIGTERM/SIGINT: ``/readyz`` turns 503 and new generations get 503 while the socket stays
+    open, in-flight requests get ``service.drain_timeout_s`` to finish, then the server stops; the
+    lifespan cancels what is left and flushes telemetry. A second signal stops at once.
+    """
+
+    def __init__(self, config: Any, app: Any) -> None:
+        import uvicorn
+
+        self.app = app
+        self.server = uvicorn.Server(config)
+        self._signals = 0
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        # uvicorn installs its own handlers inside serve(); ours replace them once it started.
+        task = loop.create_task(self.server.serve())
+        while not self.server.started and not task.done():
+            await asyncio.sleep(0.05)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        await task
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            self.server.force_exit = True
+            self.server.should_exit = True
+            return
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        service = self.app.state.service
+        timeout = service.policy.service.drain_timeout_s
+        log.info("draining: waiting up to %.0fs for %d in-flight request(s)", timeout, service.in_flight)
+        finished = await service.drain(timeout)
+        if not finished:
+            log.warning("drain timeout: cancelling %d request(s)", service.in_flight)
+        self.server.should_exit = True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiered-router", description="A tiered model router with one OpenAI-compatible endpoint.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help="policy YAML (hot-reloaded on change)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("route", help="print the routing decision for a prompt as JSON")
+    p.add_argument("prompt")
+    p.add_argument("--policy", default=DEFAULT_POLICY)
+    p.add_argument("--model", default="auto")
+    p.add_argument("--tenant", default=None)
+    p.add_argument("--header", action="append", help="NAME:VALUE, repeatable")
+    p.set_defaults(func=cmd_route)
+
+    p = sub.add_parser("policy", help="policy tools")
+    psub = p.add_subparsers(dest="policy_command", required=True)
+    c = psub.add_parser("check", help="validate a policy file (exit 2 with every error)")
+    c.add_argument("file")
+    c.set_defaults(func=cmd_policy_check)
+
+    p = sub.add_parser("models", help="model tools")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    c = msub.add_parser("prepare", help="materialize the embedded models a policy uses into the cache")
+    c.add_argument("--policy", default=DEFAULT_POLICY)
+    c.set_defaults(func=cmd_models_prepare)
+
+    from classifier.cli import register
+
+    register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "policy" and not Path(args.file).exists():
+        print(f"invalid policy {args.file}: file not found", file=sys.stderr)
+        return 2
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

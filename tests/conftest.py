@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tiny test models gain nothing from intra-op threads, and with the test runner's own threads on
+# two cores, OpenMP barriers would stall; the real-model tests still pass, a bit slower.
+os.environ.setdefault("TIERED_ROUTER_TORCH_THREADS", "1")
+os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.fixtures import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """The real embedded default, materialized (slow the first time on a machine)."""
+    from tiers.loading import materialize_embedded
+
+    return materialize_embedded("smollm2-135m-instruct")
