@@ -137,7 +137,7 @@ class RouterService:
         return self.tiers
 
     def model_names(self) -> list[str]:
-        return ["auto", *self.policy.tiers, *self.policy.routing.aliases]
+        return self.policy.model_names
 
     # -- routing -------------------------------------------------------------------------------
     def route(self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None) -> Routed:

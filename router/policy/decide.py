@@ -1,8 +1,9 @@
 """The routing decision: data in, decision out. Pure - no I/O, no clocks, no globals.
 
 Order of evaluation:
-1. ``model`` other than ``auto``: a tier name forces that tier, an alias forces its tier, anything
-   else is an unknown model (404).
+1. ``model`` other than ``auto``: a tier name forces that tier, an alias forces its tier; a name
+   that a rule's ``when.model`` lists goes through the rules like ``auto``; anything else is an
+   unknown model (404).
 2. Otherwise the rules, in order; the first whose conditions all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
 4. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
@@ -93,14 +94,14 @@ def decide(
     """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free."""
     full = tier_load or {}
     escalated = False
-    if request.model != "auto":
+    if request.model != "auto" and request.model not in policy.rule_models:
         if request.model in policy.tiers:
             tier, rule, reason = request.model, f"model:{request.model}", "tier requested by name"
         elif request.model in policy.routing.aliases:
             tier = policy.routing.aliases[request.model]
             rule, reason = f"alias:{request.model}", f"alias '{request.model}' maps to '{tier}'"
         else:
-            known = ", ".join(["auto", *policy.tiers, *policy.routing.aliases])
+            known = ", ".join(policy.model_names)
             raise ModelNotFoundError(
                 f"The model '{request.model}' does not exist. Available: {known}.", param="model"
             )

@@ -228,6 +228,17 @@ class Policy:
     def tier_names(self) -> list[str]:
         return list(self.tiers)
 
+    @property
+    def rule_models(self) -> frozenset[str]:
+        """Model names that rules match on (``when.model``): requests naming them are routed by rules."""
+        return frozenset(m for r in self.routing.rules if r.when is not None for m in (r.when.model or []))
+
+    @property
+    def model_names(self) -> list[str]:
+        """What ``/v1/models`` lists and requests may name."""
+        names = ["auto", *self.tiers, *self.routing.aliases]
+        return names + sorted(self.rule_models - set(names))
+
     def tier_above(self, tier: str) -> str | None:
         names = self.tier_names
         i = names.index(tier)

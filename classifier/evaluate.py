@@ -1,0 +1,100 @@
+"""Accuracy, confusion and single-prompt latency of a model on a labeled JSONL file.
+
+``confusion`` is a nested dict ``confusion[true_label][predicted_label] -> count`` over the labels
+small, medium, large (in that order). ``severe_error_rate`` counts small<->large confusions over
+``n``. Latency is the wall time of one ``score()`` call per prompt (cleaning, normalization and the
+ONNX run), measured after a warm-up, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from classifier.data import LABELS, load_jsonl
+
+__all__ = ["classification_metrics", "evaluate", "format_report"]
+
+WARMUP_CALLS = 50
+
+
+def classification_metrics(
+    truth: Sequence[str], predicted: Sequence[str], labels: Sequence[str] = LABELS
+) -> dict[str, Any]:
+    """``n``, ``accuracy``, ``macro_f1``, ``confusion`` and ``severe_error_rate`` (no latency)."""
+    if len(truth) != len(predicted):
+        raise ValueError("truth and predictions differ in length")
+    n = len(truth)
+    confusion = {t: {p: 0 for p in labels} for t in labels}
+    for t, p in zip(truth, predicted, strict=True):
+        confusion[t][p] += 1
+    correct = sum(confusion[label][label] for label in labels)
+    f1s = []
+    for label in labels:
+        tp = confusion[label][label]
+        support = sum(confusion[label].values())
+        predicted_n = sum(confusion[t][label] for t in labels)
+        if support == 0 and predicted_n == 0:
+            continue  # a class absent from both sides does not count (as in scikit-learn)
+        f1s.append(2 * tp / (support + predicted_n))
+    severe = 0
+    if "small" in labels and "large" in labels:
+        severe = confusion["small"]["large"] + confusion["large"]["small"]
+    return {
+        "n": n,
+        "accuracy": correct / n if n else 0.0,
+        "macro_f1": float(np.mean(f1s)) if f1s else 0.0,
+        "confusion": confusion,
+        "severe_error_rate": severe / n if n else 0.0,
+    }
+
+
+def evaluate(data_path: str | Path, model_path: str | Path | None = None) -> dict[str, Any]:
+    """Score every labeled prompt one at a time; the DESIGN.md metrics dict."""
+    from classifier.inference import ComplexityClassifier
+
+    rows = load_jsonl(data_path)
+    missing = [i for i, r in enumerate(rows) if r.get("label") is None]
+    if missing:
+        raise ValueError(f"{data_path}: {len(missing)} rows have no label (first: line {missing[0] + 1})")
+    clf = ComplexityClassifier.load(model_path)
+    prompts = [r["prompt"] for r in rows]
+    for i in range(WARMUP_CALLS):
+        clf.score(prompts[i % len(prompts)] if prompts else "warm-up")
+    predicted: list[str] = []
+    times_ns: list[int] = []
+    for prompt in prompts:
+        start = time.perf_counter_ns()
+        result = clf.score(prompt)
+        times_ns.append(time.perf_counter_ns() - start)
+        predicted.append(result.tier)
+    metrics = classification_metrics([r["label"] for r in rows], predicted)
+    ms = np.asarray(times_ns, dtype=np.float64) / 1e6
+    metrics["p50_ms"] = float(np.percentile(ms, 50)) if len(ms) else 0.0
+    metrics["p99_ms"] = float(np.percentile(ms, 99)) if len(ms) else 0.0
+    return metrics
+
+
+def format_report(metrics: dict[str, Any]) -> str:
+    """A readable table of an evaluate() dict."""
+    lines = [
+        f"n                  {metrics['n']}",
+        f"accuracy           {metrics['accuracy']:.4f}",
+        f"macro_f1           {metrics['macro_f1']:.4f}",
+        f"severe_error_rate  {metrics['severe_error_rate']:.4f}   (small<->large / n)",
+    ]
+    if "p50_ms" in metrics:
+        lines.append(f"latency            p50 {metrics['p50_ms']:.3f} ms   p99 {metrics['p99_ms']:.3f} ms")
+    confusion = metrics["confusion"]
+    labels = list(confusion)
+    lines += [
+        "",
+        "confusion (rows: true, columns: predicted)",
+        "".ljust(10) + "".join(p.rjust(9) for p in labels),
+    ]
+    lines += [t.ljust(10) + "".join(str(confusion[t][p]).rjust(9) for p in labels) for t in labels]
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Training-side feature extractors, and the ONNX converter for the one that skl2onnx lacks.
+
+Imported by :mod:`classifier.train` only: it needs scikit-learn and skl2onnx, which serving does
+not. The features, all computed inside the single exported ONNX graph from the normalized text
+(see :func:`classifier.text.model_text`):
+
+* word TF-IDF (unigrams + bigrams) over :data:`~classifier.text.WORD_TOKEN_PATTERN` tokens, which
+  keep punctuation and code symbols as tokens of their own;
+* optional char TF-IDF (n-grams within the text, spaces included), robust to typos and to
+  scripts without spaces;
+* :class:`TokenCounts`: log1p counts of tokens, lines, list items, numbers, questions, clauses,
+  code symbols, quotes and constraint words. TF-IDF rows are L2-normalized and so forget how
+  *much* a prompt asks; these counts restore it. skl2onnx has no converter for such a
+  transformer, so :func:`register_converters` adds one built from onnxruntime's ``Tokenizer``
+  and ONNX's ``TfIdfVectorizer`` (in plain count mode) and ``MatMul``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator, TransformerMixin
+
+from classifier.text import COUNT_FEATURES, TOTAL_TOKENS, WORD_TOKEN_PATTERN, count_features
+
+__all__ = ["PAD", "TokenCounts", "register_converters"]
+
+# Tokenizer pads short rows with this value: two symbols, which the token regex never yields
+# as one token (it emits non-alphanumerics one character at a time).
+PAD = "#!"
+
+
+def _as_list(x: Any) -> list[str]:
+    arr = np.asarray(x, dtype=object)
+    return [str(v) for v in arr.reshape(-1)]
+
+
+class TokenCounts(TransformerMixin, BaseEstimator):
+    """``log1p`` of the token-group counts of :data:`classifier.text.COUNT_FEATURES`."""
+
+    def fit(self, x: Any, y: Any = None) -> TokenCounts:
+        self.n_features_out_ = len(COUNT_FEATURES)
+        return self
+
+    def transform(self, x: Any) -> np.ndarray:
+        rows = [count_features(t) for t in _as_list(x)]
+        return np.log1p(np.asarray(rows, dtype=np.float64).reshape(-1, self.n_features_out_)).astype(
+            np.float32
+        )
+
+    def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
+        return np.asarray([f"count_{name}" for name, _ in COUNT_FEATURES], dtype=object)
+
+
+def _shape_token_counts(operator: Any) -> None:
+    from skl2onnx.common.data_types import FloatTensorType
+
+    n = operator.inputs[0].get_first_dimension()
+    operator.outputs[0].type = FloatTensorType([n, operator.raw_operator.n_features_out_])
+
+
+def _pool() -> tuple[list[str], list[str], np.ndarray]:
+    """Unigrams, bigrams, and the [pool, groups] 0/1 matrix summing pool counts into groups."""
+    grouped = [(name, group) for name, group in COUNT_FEATURES if name != TOTAL_TOKENS]
+    unigrams = sorted({g for _, group in grouped for g in group if " " not in g})
+    bigrams = sorted({g for _, group in grouped for g in group if " " in g})
+    pool = unigrams + bigrams
+    matrix = np.zeros((len(pool), len(grouped)), dtype=np.float32)
+    for j, (_, group) in enumerate(grouped):
+        for g in group:
+            matrix[pool.index(g), j] = 1.0
+    return unigrams, bigrams, matrix
+
+
+def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
+    from onnx import TensorProto
+
+    name = scope.get_unique_variable_name
+    unigrams, bigrams, matrix = _pool()
+    if COUNT_FEATURES[0][0] != TOTAL_TOKENS:
+        raise ValueError("the converter expects the total token count first")
+
+    def const(prefix: str, dtype: int, dims: list[int], values: Any) -> str:
+        var = name(prefix)
+        container.add_initializer(var, dtype, dims, values)
+        return var
+
+    # Same node and attributes as skl2onnx's word TF-IDF tokenizer (once fix_tokenizer_pads has
+    # run), so onnxruntime's common-subexpression elimination tokenizes each prompt only once.
+    raw_tokens, tokens = name("raw_tokens"), name("tokens")
+    container.add_node(
+        "Tokenizer",
+        operator.inputs[0].full_name,
+        raw_tokens,
+        op_domain="com.microsoft",
+        op_version=1,
+        name=name("Tokenizer"),
+        pad_value=PAD,
+        mark=0,
+        mincharnum=1,
+        tokenexp=WORD_TOKEN_PATTERN,
+    )
+    # [N, 1, T] -> [N, T]; a row without tokens gives [N, 0], whose sums below are 0.
+    container.add_node("Flatten", raw_tokens, tokens, name=name("Flatten"))  # default axis=1, as skl2onnx
+    # Total: the non-pad entries of each row.
+    is_pad, is_tok, as_float, total = name("is_pad"), name("is_tok"), name("tok_f"), name("total")
+    container.add_node(
+        "Equal", [tokens, const("pad", TensorProto.STRING, [], [PAD.encode()])], is_pad, name=name("Equal")
+    )
+    container.add_node("Not", is_pad, is_tok, name=name("Not"))
+    container.add_node("Cast", is_tok, as_float, name=name("Cast"), to=TensorProto.FLOAT)
+    container.add_node(
+        "ReduceSum",
+        [as_float, const("axis1", TensorProto.INT64, [1], [1])],
+        total,
+        name=name("ReduceSum"),
+        keepdims=1,
+    )
+    # Grouped counts: one n-gram counter over the pool, then a 0/1 matrix sums members per group.
+    pool_counts, grouped = name("pool_counts"), name("grouped")
+    container.add_node(
+        "TfIdfVectorizer",
+        tokens,
+        pool_counts,
+        name=name("TfIdfVectorizer"),
+        op_version=9,
+        mode="TF",
+        min_gram_length=1,
+        max_gram_length=2,
+        max_skip_count=0,
+        pool_strings=unigrams + [t for b in bigrams for t in b.split(" ")],
+        ngram_counts=[0, len(unigrams)],
+        ngram_indexes=list(range(len(unigrams) + len(bigrams))),
+    )
+    group_matrix = const("groups", TensorProto.FLOAT, list(matrix.shape), matrix.ravel().tolist())
+    container.add_node("MatMul", [pool_counts, group_matrix], grouped, name=name("MatMul"))
+    counts, plus_one = name("counts"), name("plus_one")
+    container.add_node("Concat", [total, grouped], counts, name=name("Concat"), axis=1)
+    container.add_node(
+        "Add", [counts, const("one", TensorProto.FLOAT, [], [1.0])], plus_one, name=name("Add")
+    )
+    container.add_node("Log", plus_one, operator.outputs[0].full_name, name=name("Log"))
+
+
+_registered = False
+
+
+def register_converters() -> None:
+    """Teach skl2onnx to convert :class:`TokenCounts` (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from skl2onnx import update_registered_converter
+    from skl2onnx.sklapi import register  # registers the Traceable* vectorizers' converters
+
+    del register
+    update_registered_converter(
+        TokenCounts, "TieredRouterTokenCounts", _shape_token_counts, _convert_token_counts
+    )
+    _registered = True

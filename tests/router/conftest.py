@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fixtures import tiny_policy_yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    app: Any
+    policy_path: Path
+
+    @property
+    def service(self) -> Any:
+        return self.app.state.service
+
+    def engine(self, tier: str) -> Any:
+        return self.service.tiers.get(tier).engine
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            loads = [e.load() for e in self.service.tiers.engines()]
+            if all(load.num_running == 0 and load.num_waiting == 0 for load in loads):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"engines still busy: {loads}")
+
+
+def start_server(policy_path: Path, **app_kwargs: Any) -> tuple[Server, Any]:
+    import uvicorn
+
+    from router.app import create_app
+
+    app = create_app(policy_path, **app_kwargs)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("server did not become ready")
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+
+    return Server(url, app, policy_path), stop
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    path = tmp_path_factory.mktemp("policy") / "policy.yaml"
+    path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False))
+    srv, stop = start_server(path)
+    yield srv
+    stop()

@@ -1,0 +1,117 @@
+"""The real embedded default (SmolLM2-135M-Instruct): loading, coherent text, batching and drafting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiers.device import DeviceWorker
+from tiers.engine import Engine
+from tiers.sequence import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "hi",
+    "List three fruits.",
+    "What is 2+2?",
+    "Translate 'good morning' to Spanish.",
+    "Give me a tip for learning Python.",
+]
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[DeviceWorker]:
+    w = DeviceWorker()
+    yield w
+    w.stop()
+
+
+def build(worker: DeviceWorker, embedded_model_dir: Path, quantization: str, draft: str | None = None) -> Engine:
+    from tiers.loading import load_model
+    from tiers.model_runner import ModelRunner
+    from tiers.scheduler import SchedulerConfig
+
+    def make() -> Engine:
+        target = load_model("embedded:smollm2-135m-instruct", quantization=quantization)  # type: ignore[arg-type]
+        draft_runner = None
+        if draft is not None:
+            d = load_model("embedded:smollm2-135m-instruct", quantization=draft)  # type: ignore[arg-type]
+            draft_runner = ModelRunner(d, num_slots=16, max_model_len=512)
+        eng = Engine(f"real-{quantization}", ModelRunner(target, num_slots=16, max_model_len=512),
+                     SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256),
+                     draft_runner=draft_runner, speculative_tokens=4 if draft else 0)
+        eng.warmup()
+        return eng
+
+    eng = worker.call(make)
+    eng.attach(worker)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def large(worker: DeviceWorker, embedded_model_dir: Path) -> Engine:
+    return build(worker, embedded_model_dir, "none", draft="int8")
+
+
+def encode(engine: Engine, question: str) -> list[int]:
+    out = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+async def run(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], str, Any]:
+    toks: list[int] = []
+    text = ""
+    last = None
+    async for out in engine.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=0)):
+        toks += out.token_ids
+        text += out.text
+        last = out
+    return toks, text, last
+
+
+def test_materialized_cache_loads_fast(embedded_model_dir: Path) -> None:
+    import time
+
+    from tiers.loading import materialize_embedded
+
+    assert (embedded_model_dir / "model.safetensors").is_file()
+    started = time.monotonic()
+    assert materialize_embedded("smollm2-135m-instruct") == embedded_model_dir
+    assert time.monotonic() - started < 1.0
+
+
+async def test_capital_of_france(large: Engine) -> None:
+    _, text, last = await run(large, encode(large, "What is the capital of France?"), 30)
+    assert "Paris" in text and last.finish_reason == "stop"
+
+
+async def test_batch_of_16_equals_alone_on_the_real_model(large: Engine) -> None:
+    """Greedy, mixed lengths, with speculation left to the controller. Batched fp32 matmuls may
+    round differently from single-row ones; on this model and these prompts no token flips."""
+    ids = [encode(large, q) for q in QUESTIONS] * 2
+    lengths = [8 + 3 * (i % 6) for i in range(16)]
+    alone = [await run(large, p, n) for p, n in zip(ids, lengths, strict=True)]
+    together = await asyncio.gather(*(run(large, p, n) for p, n in zip(ids, lengths, strict=True)))
+    assert [t[0] for t in together] == [a[0] for a in alone]
+
+
+async def test_drafting_is_lossless_on_the_real_model(worker: DeviceWorker, embedded_model_dir: Path, large: Engine) -> None:
+    plain = build(worker, embedded_model_dir, "none")
+    ids = [encode(large, q) for q in QUESTIONS]
+    large.spec.fixed_k = 4
+    try:
+        spec_out = await asyncio.gather(*(run(large, p, 24) for p in ids))
+    finally:
+        large.spec.fixed_k = None
+    plain_out = await asyncio.gather(*(run(plain, p, 24) for p in ids))
+    assert [s[0] for s in spec_out] == [p[0] for p in plain_out]
+    assert sum(s[2].num_accepted_tokens for s in spec_out) > 0

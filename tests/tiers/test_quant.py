@@ -1,0 +1,66 @@
+"""Weight-only quantization: close to the fp32 layer, and the fused and dequantizing paths agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, OneDnnLinear, quantize_model
+
+
+@pytest.fixture
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(128, 96, bias=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_int8_is_close_to_fp32(linear: nn.Linear) -> None:
+    x = torch.randn(5, 128)
+    q = Int8WeightOnlyLinear(linear)
+    assert rel_err(q(x.bfloat16()), linear(x)) < 0.02
+    assert rel_err(q(x), linear(x)) < 0.01  # the dequantizing path (fp32 activations)
+
+
+def test_int4_packed_and_dequantized_paths_agree(linear: nn.Linear) -> None:
+    x = torch.randn(3, 128)
+    q = Int4WeightOnlyLinear(linear, group_size=32)
+    fused = q(x.bfloat16()).float()
+    w = q._dequantized(torch.float32, _unpack_reference(linear, 32))
+    manual = x @ w.T + linear.bias
+    assert rel_err(fused, manual) < 0.02
+    assert rel_err(fused, linear(x)) < 0.15
+
+
+def _unpack_reference(linear: nn.Linear, gs: int) -> torch.Tensor:
+    w = linear.weight.detach().reshape(linear.out_features, -1, gs)
+    lo = w.amin(-1, keepdim=True)
+    scale = ((w.amax(-1, keepdim=True) - lo) / 15).clamp(min=1e-8)
+    return torch.clamp(torch.round((w - lo) / scale), 0, 15).reshape(linear.out_features, -1)
+
+
+def test_int4_rejects_unaligned_features() -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        Int4WeightOnlyLinear(nn.Linear(40, 8), group_size=32)
+
+
+def test_onednn_linear_matches(linear: nn.Linear) -> None:
+    x = torch.randn(2, 7, 128)
+    assert torch.allclose(OneDnnLinear(linear)(x), linear(x), atol=1e-5)
+
+
+def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    emb = model.get_input_embeddings().weight.detach().clone()
+    quantize_model(model, "int4")
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, Int8WeightOnlyLinear)  # the head stays int8 even under int4
+    assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings untouched
