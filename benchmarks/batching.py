@@ -1,0 +1,183 @@
+"""Continuous batching on the embedded default's largest tier (fp32), side by side in one process:
+
+  (a) ``model.generate()`` per request, sequentially      - the naive server
+  (b) transformers' own continuous batching (``generate_batch``)
+  (c) this engine (slot KV pool, continuous batching)
+
+Each request: one of 16 chat prompts, 64 new tokens, greedy, EOS ignored so every system
+generates exactly the same number of tokens. Tokens/s at concurrency 1, 4, 8, 16, plus peak RSS
+with 64 requests queued against 16 slots. Writes benchmarks/results/batching.{json,png}.
+
+    python -m benchmarks.batching [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from typing import Any
+
+from benchmarks.common import PROMPTS, plot_path, rss_mb, write_json
+
+NEW_TOKENS = 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4 only")
+    args = parser.parse_args()
+    levels = [1, 4] if args.quick else [1, 4, 8, 16]
+
+    from tiers.device import DeviceWorker
+
+    worker = DeviceWorker()
+    result = worker.call(lambda: _setup())
+    loaded, engine = result
+    engine.attach(worker)
+    tok = loaded.tokenizer
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                        tokenize=True)["input_ids"]) for p in PROMPTS]
+
+    rows: list[dict[str, Any]] = []
+    for c in levels:
+        batch = [ids[i % len(ids)] for i in range(c)]
+        seq_tps = worker.call(lambda batch=batch: _hf_sequential(loaded, batch))
+        gb_tps = worker.call(lambda batch=batch: _hf_generate_batch(loaded, batch))
+        eng_tps = _engine(engine, batch)
+        row = {"concurrency": c, "generate_sequential_tok_s": seq_tps, "generate_batch_tok_s": gb_tps,
+               "engine_tok_s": eng_tps, "vs_sequential": eng_tps / seq_tps, "vs_generate_batch": eng_tps / gb_tps}
+        rows.append(row)
+        print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+    memory = _queued_memory(engine, ids)
+    print("memory", memory, flush=True)
+    worker.stop()
+    data = {
+        "model": "embedded:smollm2-135m-instruct (large tier: fp32, oneDNN linears)",
+        "new_tokens": NEW_TOKENS,
+        "rows": rows,
+        "memory_64_queued": memory,
+        "targets": {"vs_sequential_at_16": 6.0, "vs_generate_batch_at_16": 1.5},
+    }
+    write_json("batching", data)
+    _plot(rows)
+
+
+def _setup() -> tuple[Any, Any]:
+    from tiers.engine import Engine
+    from tiers.loading import load_model
+    from tiers.model_runner import ModelRunner
+    from tiers.scheduler import SchedulerConfig
+
+    loaded = load_model("embedded:smollm2-135m-instruct", quantization="none", dtype="float32")
+    engine = Engine("large", ModelRunner(loaded, num_slots=16, max_model_len=512),
+                    SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512, max_waiting=64))
+    engine.warmup()
+    return loaded, engine
+
+
+def _hf_sequential(loaded: Any, batch: list[list[int]]) -> float:
+    import torch
+
+    model = loaded.model
+    started = time.perf_counter()
+    total = 0
+    for ids in batch:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
+        total += out.shape[1] - len(ids)
+    return total / (time.perf_counter() - started)
+
+
+def _hf_generate_batch(loaded: Any, batch: list[list[int]]) -> float:
+    import logging
+
+    from transformers import GenerationConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                              pad_token_id=loaded.tokenizer.pad_token_id)
+    started = time.perf_counter()
+    out = loaded.model.generate_batch(inputs=batch, generation_config=config, progress_bar=False)
+    total = sum(len(v.generated_tokens) for v in out.values())
+    return total / (time.perf_counter() - started)
+
+
+def _engine(engine: Any, batch: list[list[int]]) -> float:
+    from tiers.sequence import SamplingParams
+
+    async def run() -> int:
+        async def one(ids: list[int]) -> int:
+            n = 0
+            async for out in engine.submit(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)):
+                n += len(out.token_ids)
+            return n
+
+        return sum(await asyncio.gather(*(one(i) for i in batch)))
+
+    started = time.perf_counter()
+    total = asyncio.run(run())
+    return total / (time.perf_counter() - started)
+
+
+def _queued_memory(engine: Any, ids: list[list[int]]) -> dict[str, float]:
+    """Submit 64 requests against 16 slots; sample RSS while they drain."""
+    from tiers.sequence import SamplingParams
+
+    before = rss_mb()
+    peak = before
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss_mb())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+
+    async def run() -> int:
+        async def one(i: int) -> int:
+            n = 0
+            async for out in engine.submit(ids[i % len(ids)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)):
+                n += len(out.token_ids)
+            return n
+
+        return sum(await asyncio.gather(*(one(i) for i in range(64))))
+
+    started = time.perf_counter()
+    total = asyncio.run(run())
+    elapsed = time.perf_counter() - started
+    done.set()
+    sampler.join()
+    kv = engine.runner.kv_bytes / 2**20
+    return {"rss_before_mb": round(before, 1), "rss_peak_mb": round(peak, 1), "growth_mb": round(peak - before, 1),
+            "kv_pool_mb": round(kv, 1), "tokens": total, "seconds": round(elapsed, 2)}
+
+
+def _plot(rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(c, [r["engine_tok_s"] for r in rows], "o-", label="tiered-router engine")
+    ax.plot(c, [r["generate_batch_tok_s"] for r in rows], "s--", label="transformers generate_batch")
+    ax.plot(c, [r["generate_sequential_tok_s"] for r in rows], "^:", label="generate() per request")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_xticks(c)
+    ax.set_title("Batching throughput, SmolLM2-135M fp32, 64 new tokens, greedy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(plot_path("batching"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Shared helpers: machine facts, result files, plots. Every benchmark measures a baseline in the
+same run and reports ratios, so figures compare across machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "Give me three tips for learning Python.",
+    "Write a short story about a dragon who learns to cook.",
+    "Describe the water cycle for a ten-year-old.",
+    "What are the benefits of regular exercise?",
+    "How do I make pancakes from scratch?",
+    "Summarize the plot of Romeo and Juliet.",
+    "Write a poem about autumn leaves.",
+    "Explain what a neural network is.",
+    "What should I pack for a weekend hiking trip?",
+    "Compare cats and dogs as pets.",
+    "Write an email asking my manager for a day off.",
+    "What causes the seasons on Earth?",
+    "Tell me a fun fact about octopuses.",
+]
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2))
+    return path
+
+
+def plot_path(name: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{name}.png"
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
