@@ -1,13 +1,14 @@
 """Training-side feature extractors, and the ONNX converter for the one that skl2onnx lacks.
 
 Imported by :mod:`classifier.train` only: it needs scikit-learn and skl2onnx, which serving does
-not. The features, all computed inside the single exported ONNX graph from the normalized text
-(see :func:`classifier.text.model_text`):
+not. The features (assembled in :func:`classifier.train._features`) are all computed inside the
+single exported ONNX graph from the two normalized views of :func:`classifier.text.model_views`:
 
-* word TF-IDF (unigrams + bigrams) over :data:`~classifier.text.WORD_TOKEN_PATTERN` tokens, which
-  keep punctuation and code symbols as tokens of their own;
-* optional char TF-IDF (n-grams within the text, spaces included), robust to typos and to
-  scripts without spaces;
+* word TF-IDF (binary TF, unigrams + bigrams) of the full text and, separately, of the ask view,
+  over :data:`~classifier.text.WORD_TOKEN_PATTERN` tokens, which keep punctuation and code
+  symbols as tokens of their own;
+* char TF-IDF (3-5-grams) of the ask view: robust to typos, to unseen inflections of domain
+  terms, and to scripts written without spaces;
 * :class:`TokenCounts`: log1p counts of tokens, lines, list items, numbers, questions, clauses,
   code symbols, quotes and constraint words. TF-IDF rows are L2-normalized and so forget how
   *much* a prompt asks; these counts restore it. skl2onnx has no converter for such a

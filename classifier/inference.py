@@ -112,15 +112,15 @@ def message_text(messages: Sequence[Mapping[str, Any]], context_chars: int = 200
     return (f"{context}\n\n{turn}" if context else turn), truncated
 
 
+def _gpu_visible() -> bool:
+    return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+
+
 def _default_providers() -> list[str]:
-    available = ort.get_available_providers()
     # A CUDA-enabled wheel lists CUDA even on machines without a GPU; trying it there only logs an
-    # error before falling back, so ask for it only where a GPU device node exists.
-    gpu_visible = os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES", "0") not in (
-        "",
-        "-1",
-    )
-    if "CUDAExecutionProvider" in available and gpu_visible:
+    # error before falling back, so ask for it only where a GPU device node exists. (The string
+    # operators run on the CPU provider either way; CUDA takes the numeric tail of the graph.)
+    if "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_visible():
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 
@@ -132,7 +132,9 @@ class ComplexityClassifier:
     holds no other mutable state, so one instance can serve an asyncio server's worker threads.
     """
 
-    def __init__(self, session: ort.InferenceSession, metadata: Mapping[str, Any], path: Path) -> None:
+    def __init__(
+        self, session: ort.InferenceSession, metadata: Mapping[str, Any], path: Path | None = None
+    ) -> None:
         self._session = session
         self.metadata: dict[str, Any] = dict(metadata)
         self.path = path
@@ -141,15 +143,18 @@ class ComplexityClassifier:
         if unknown:
             raise ValueError(f"model labels {sorted(unknown)} are not tiers {sorted(TIER_WEIGHTS)}")
         model_input = session.get_inputs()[0]
+        if model_input.type != "tensor(string)" or model_input.shape[-1] != 2:
+            raise ValueError(
+                f"expected a string input of shape [N, 2], got {model_input.type} {model_input.shape}"
+            )
         self._input = model_input.name
-        # Columns of the string input: 2 (full text, ask view) for current models, 1 for a graph
-        # fed the full text only.
-        self._columns = 1 if model_input.shape[-1] == 1 else 2
         outputs = [o.name for o in session.get_outputs()]
         self._output = self.metadata.get("probabilities_output", "probabilities")
         if self._output not in outputs:
             raise ValueError(f"model has no output {self._output!r} (outputs: {outputs})")
         self._weights = [TIER_WEIGHTS[label] for label in self.labels]
+        # probabilities dicts list the tiers from small to large, whatever the graph's class order.
+        self._order = sorted(range(len(self.labels)), key=lambda i: TIER_WEIGHTS[self.labels[i]])
 
     @classmethod
     def load(
@@ -190,7 +195,7 @@ class ComplexityClassifier:
 
     def _run(self, rows: Sequence[list[str]]) -> list[list[float]]:
         """Probabilities per row, as Python floats (3 numbers: plain Python beats numpy calls)."""
-        batch = np.array([row[: self._columns] for row in rows], dtype=object).reshape(-1, self._columns)
+        batch = np.array(rows, dtype=object).reshape(-1, 2)
         out: list[list[float]] = self._session.run([self._output], {self._input: batch})[0].tolist()
         for i, probs in enumerate(out):
             clipped = [p if p > 0.0 else 0.0 for p in probs]
@@ -204,7 +209,7 @@ class ComplexityClassifier:
         return ComplexityScore(
             tier=self.labels[best],
             value=min(1.0, max(0.0, value)),
-            probabilities=dict(zip(self.labels, probs, strict=True)),
+            probabilities={self.labels[i]: probs[i] for i in self._order},
             truncated=truncated,
         )
 

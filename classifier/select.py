@@ -49,7 +49,7 @@ def _latency_ms(model: Any, prompt: str = LATENCY_PROMPT, runs: int = 1000) -> t
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     labels = json.loads({p.key: p.value for p in model.metadata_props}["labels"])
-    clf = ComplexityClassifier(session, {"labels": labels}, path=None)  # type: ignore[arg-type]
+    clf = ComplexityClassifier(session, {"labels": labels})
     for _ in range(100):
         clf.score(prompt)
     times = []

@@ -112,6 +112,7 @@ _WORD_TOKEN = re.compile(WORD_TOKEN_PATTERN)
 _SPECIAL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\u2060\ufeff\ufffe\uffff]")
 _LINE_BREAKS = re.compile("\r\n?|[\u2028\u2029\x85]")
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2060\ufeff\ufffe\uffff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _DIGIT = re.compile(r"\d")
 _ASCII_DIGITS = str.maketrans("123456789", "000000000")
 
@@ -124,9 +125,12 @@ def clean_text(text: object) -> tuple[str, bool]:
     whatever the size. Lone surrogates (not encodable as UTF-8, which onnxruntime requires) become
     U+FFFD; NULs and other control characters are dropped.
     """
+    cut_bytes = False
     if isinstance(text, bytes | bytearray | memoryview):
         raw = bytes(text)
-        if len(raw) > 4 * MAX_CHARS:
+        # At most 4 bytes per character: cut before decoding so decoding is bounded too.
+        cut_bytes = len(raw) > 4 * MAX_CHARS
+        if cut_bytes:
             raw = raw[: 4 * HEAD_CHARS] + b"\n" + raw[-4 * TAIL_CHARS :]
         text = raw.decode("utf-8", errors="replace")
     elif not isinstance(text, str):
@@ -134,10 +138,11 @@ def clean_text(text: object) -> tuple[str, bool]:
     truncated = len(text) > MAX_CHARS
     if truncated:
         text = text[:HEAD_CHARS] + "\n" + text[-TAIL_CHARS:]
+    truncated = truncated or cut_bytes
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = text.encode("utf-8", errors="replace").decode("utf-8")
+        text = _SURROGATE.sub("\ufffd", text)
     if _SPECIAL.search(text):
         text = _CONTROL.sub("", _LINE_BREAKS.sub("\n", text))
     return text, truncated

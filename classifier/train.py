@@ -1,9 +1,10 @@
 """Training pipeline: normalized text -> features -> linear model -> calibrated probabilities -> ONNX.
 
-``train()`` fits the chosen configuration on a labeled JSONL file, exports ONE ONNX graph (string
-input ``text`` of shape [N, 2], the rows of :func:`classifier.text.model_views`: normalized text
-and its ask view; output ``probabilities`` [N, 3]) plus ``metadata.json``, checks that onnxruntime reproduces
-scikit-learn's probabilities, and reports metrics on the held-out split.
+``train()`` fits the chosen configuration on a labeled JSONL file and exports ONE ONNX graph
+(string input ``text`` of shape [N, 2], the rows of :func:`classifier.text.model_views`: the
+normalized text and its ask view; output ``probabilities`` [N, 3]) plus ``metadata.json``. It
+checks that onnxruntime reproduces scikit-learn's probabilities and reports metrics on the
+held-out split.
 
 Model selection (:mod:`classifier.select`, ``python -m classifier.select``) measures candidate
 configurations on a validation split carved from train.jsonl; classifier/README.md records it.
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,12 +40,24 @@ from classifier.text import (
     model_views,
 )
 
-__all__ = ["CANDIDATES", "DEFAULT_CONFIG", "Config", "export_onnx", "fit", "train", "validation_metrics"]
+__all__ = [
+    "CANDIDATES",
+    "DEFAULT_CONFIG",
+    "MODEL_VERSION",
+    "Config",
+    "export_onnx",
+    "fit",
+    "model_rows",
+    "onnx_proba",
+    "predict_proba",
+    "train",
+    "validation_metrics",
+]
 
 MODEL_VERSION = "1.0.0"
 TARGET_OPSET = {"": 19, "ai.onnx.ml": 3}
-# onnxruntime 1.31 reads models up to IR version 13; pin what opset 19 (string Equal) needs so newer onnx
-# packages cannot stamp a version the runtime refuses.
+# onnxruntime 1.31 reads models up to IR version 13; pin what opset 19 (string Equal) needs, so
+# that newer onnx packages cannot stamp a version the runtime refuses.
 IR_VERSION = 9
 
 
@@ -66,6 +80,15 @@ class Config:
     # Term frequency: "binary" (presence) or "raw" counts. Not sublinear: skl2onnx exports
     # scikit-learn's 1 + log(tf) as log(1 + tf), which the parity check rejects.
     tf: str = "binary"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Inverse of ``dataclasses.asdict`` after a JSON round trip (lists back to tuples)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields
+        }
+        return cls(**values)
 
 
 CANDIDATES: dict[str, Config] = {
@@ -196,6 +219,8 @@ def fit(prompts: Sequence[str], labels: Sequence[str], config: Config = DEFAULT_
 
     from classifier.features import register_converters
 
+    if set(labels) != set(LABELS):
+        raise ValueError(f"training data must hold every label of {LABELS}, got {sorted(set(labels))}")
     register_converters()
     rows = model_rows(prompts)
     features = _features(config)
@@ -232,19 +257,22 @@ def export_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -> Any:
 
     register_converters()
     clf = pipeline.named_steps["classifier"]
-    model = convert_sklearn(
-        pipeline,
-        name="tiered-router-complexity",
-        initial_types=[("text", StringTensorType([None, 2]))],
-        options={id(clf): {"zipmap": False}},
-        target_opset=TARGET_OPSET,
-    )
+    with warnings.catch_warnings():
+        # skl2onnx warns that char n-gram conversion "may not work"; train() checks that it does.
+        warnings.filterwarnings("ignore", message="The conversion of CountVectorizer may not work")
+        model = convert_sklearn(
+            pipeline,
+            name="tiered-router-complexity",
+            initial_types=[("text", StringTensorType([None, 2]))],
+            options={id(clf): {"zipmap": False}},
+            target_opset=TARGET_OPSET,
+        )
     optimize(model)
     model.ir_version = IR_VERSION
     model.producer_name = "tiered-router"
     model.doc_string = "Prompt complexity: model_views() strings in, class probabilities out (see metadata)."
-    for key, value in (metadata or {}).items():
-        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, key: value})
+    if metadata:
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **metadata})
     onnx.checker.check_model(model)
     return model
 

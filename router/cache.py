@@ -114,7 +114,7 @@ class _SemanticEntry:
 class ResponseCache:
     def __init__(self, config: CacheConfig, store: Store, embedder: Embedder | None = None) -> None:
         self.config = config
-        self.store = store
+        self.backend = store
         self.embedder = embedder
         self._semantic: OrderedDict[str, _SemanticEntry] = OrderedDict()
 
@@ -158,14 +158,14 @@ class ResponseCache:
         telemetry = service.telemetry
         with telemetry.span("cache.lookup", parent=ctx.span) as span:
             partition = self._partition(ctx, service.policy)
-            entry = await self.store.get(self._key(gen, partition))
+            entry = await self.backend.get(self._key(gen, partition))
             kind = "exact"
             similarity = 1.0
             if entry is None and self._semantic_enabled(gen):
                 found = await self._semantic_lookup(gen, partition)
                 if found is not None:
                     key, similarity = found
-                    entry = await self.store.get(key)
+                    entry = await self.backend.get(key)
                     kind = "semantic"
             span.set_attribute("router.cache", "hit" if entry else "miss")
             if entry is None:
@@ -215,7 +215,7 @@ class ResponseCache:
         partition = self._partition(ctx, service.policy)
         key = self._key(gen, partition)
         entry = {"body": body, "tier": decision.tier, "rule": decision.rule, "score": f"{decision.score:.4f}"}
-        await self.store.set(key, entry, self.config.ttl_s)
+        await self.backend.set(key, entry, self.config.ttl_s)
         if self._semantic_enabled(gen):
             assert self.embedder is not None
             vec = await asyncio.to_thread(self.embedder.embed, gen.last_user)
@@ -226,7 +226,7 @@ class ResponseCache:
                 self._semantic.popitem(last=False)
 
     async def aclose(self) -> None:
-        await self.store.aclose()
+        await self.backend.aclose()
 
 
 async def _replay(gen: _Gen, body: dict[str, Any]) -> AsyncIterator[bytes]:

@@ -19,7 +19,7 @@ def test_parse_shares() -> None:
     )
     assert parse_shares("small=50, large=50") == pytest.approx({"small": 0.5, "medium": 0.0, "large": 0.5})
     for bad in ("tiny=0.5", "small", "small=x", "small=-1", "small=0,medium=0", "small=nan"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="share"):
             parse_shares(bad)
 
 
@@ -39,7 +39,7 @@ def test_thresholds_increase_strictly_and_stay_in_range() -> None:
         "small": 1.0,
         "medium": 1.0,
     }
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no values"):
         propose_thresholds([], {"small": 1.0})
 
 

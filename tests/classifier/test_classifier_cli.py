@@ -51,7 +51,14 @@ def test_evaluate_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_calibrate_prints_thresholds_and_yaml(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["classifier", "calibrate", "--data", str(HELDOUT_PATH), "--shares", "small=0.5,medium=0.3,large=0.2"]
+    argv = [
+        "classifier",
+        "calibrate",
+        "--data",
+        str(HELDOUT_PATH),
+        "--shares",
+        "small=0.5,medium=0.3,large=0.2",
+    ]
     assert _run(argv) == 0
     out = capsys.readouterr().out
     snippet = out[out.index("routing:") :]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sklearn.metrics import accuracy_score, f1_score
@@ -15,24 +16,25 @@ DESIGN_KEYS = {"n", "accuracy", "macro_f1", "confusion", "severe_error_rate", "p
 
 
 @pytest.fixture(scope="module")
-def heldout_metrics() -> dict[str, object]:
+def heldout_metrics() -> dict[str, Any]:
     return evaluate(HELDOUT_PATH)
 
 
-def test_shipped_artifact_meets_heldout_targets(heldout_metrics: dict[str, object]) -> None:
+def test_shipped_artifact_meets_heldout_targets(heldout_metrics: dict[str, Any]) -> None:
     assert set(heldout_metrics) == DESIGN_KEYS
     assert heldout_metrics["n"] == sum(1 for line in HELDOUT_PATH.open() if line.strip())
     assert heldout_metrics["accuracy"] >= 0.85
     assert heldout_metrics["severe_error_rate"] <= 0.02
 
 
-def test_latency_fields_are_sane(heldout_metrics: dict[str, object]) -> None:
+def test_latency_fields_are_sane(heldout_metrics: dict[str, Any]) -> None:
     p50, p99 = heldout_metrics["p50_ms"], heldout_metrics["p99_ms"]
-    assert isinstance(p50, float) and isinstance(p99, float)
+    assert isinstance(p50, float)
+    assert isinstance(p99, float)
     assert 0.0 < p50 <= p99 < 50.0
 
 
-def test_metrics_are_json_and_match_the_shipped_metadata(heldout_metrics: dict[str, object]) -> None:
+def test_metrics_are_json_and_match_the_shipped_metadata(heldout_metrics: dict[str, Any]) -> None:
     json.dumps(heldout_metrics)
     meta = json.loads((Path(__file__).parents[2] / "classifier/artifacts/metadata.json").read_text())
     shipped = meta["metrics"]["heldout"]
@@ -67,6 +69,7 @@ def test_evaluate_rejects_unlabeled_rows(tmp_path: Path) -> None:
         evaluate(data)
 
 
-def test_format_report(heldout_metrics: dict[str, object]) -> None:
+def test_format_report(heldout_metrics: dict[str, Any]) -> None:
     report = format_report(heldout_metrics)
-    assert "accuracy" in report and "p99" in report and "confusion" in report
+    for needle in ("accuracy", "p99", "confusion"):
+        assert needle in report

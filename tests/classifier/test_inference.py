@@ -98,7 +98,8 @@ def test_score_batch_matches_score(shipped: ComplexityClassifier) -> None:
     assert shipped.score_batch([]) == []
     for prompt, got in zip(prompts, batch, strict=True):
         one = shipped.score(prompt)
-        assert got.tier == one.tier and got.truncated == one.truncated
+        assert got.tier == one.tier
+        assert got.truncated == one.truncated
         for label in LABELS:
             assert got.probabilities[label] == pytest.approx(one.probabilities[label], abs=1e-5)
 
@@ -119,7 +120,7 @@ def test_awkward_inputs_score(shipped: ComplexityClassifier, text: str) -> None:
 
 
 def test_bytes_input(shipped: ComplexityClassifier) -> None:
-    _check(shipped.score(os.urandom(4096)))  # type: ignore[arg-type]
+    _check(shipped.score(os.urandom(4096)))
 
 
 def test_huge_input_is_truncated_and_fast(shipped: ComplexityClassifier) -> None:
@@ -185,7 +186,9 @@ def test_messages_ignore_system_and_developer(shipped: ComplexityClassifier) -> 
 
 
 def test_messages_score_the_last_user_turn(shipped: ComplexityClassifier) -> None:
-    hard = "Design a complete zero-downtime migration plan for our 40 TB sharded database, with rollback steps."
+    hard = (
+        "Design a complete zero-downtime migration plan for our 40 TB sharded database, with rollback steps."
+    )
     messages = [
         {"role": "user", "content": hard},
         {"role": "assistant", "content": "Here is a plan..."},
@@ -228,8 +231,12 @@ def test_messages_without_user_turn_or_with_junk(shipped: ComplexityClassifier) 
 
 def test_messages_huge_turn_keeps_the_turn(shipped: ComplexityClassifier) -> None:
     huge = "word " * 300_000
-    score = shipped.score_messages([{"role": "assistant", "content": "ctx " * 1000}, {"role": "user", "content": huge}])
+    score = shipped.score_messages(
+        [{"role": "assistant", "content": "ctx " * 1000}, {"role": "user", "content": huge}]
+    )
     _check(score)
     assert score.truncated
-    text, _ = message_text([{"role": "assistant", "content": "ctx " * 1000}, {"role": "user", "content": huge}])
+    text, _ = message_text(
+        [{"role": "assistant", "content": "ctx " * 1000}, {"role": "user", "content": huge}]
+    )
     assert "ctx" not in text

@@ -53,6 +53,12 @@ def test_non_string_inputs(raw: object) -> None:
     assert not truncated
 
 
+def test_huge_bytes_are_cut_before_decoding() -> None:
+    cleaned, truncated = clean_text("€".encode() * 1_000_000)
+    assert truncated
+    assert len(cleaned) <= MAX_CHARS + 1
+
+
 def test_model_text_folds_case_digits_width_and_whitespace() -> None:
     text = model_text("Write  a 1,500-word\n\n  ESSAY ｆｕｌｌ-width ٣")
     assert text == f"write a 0,000-word {NEWLINE_MARK} {NEWLINE_MARK} essay full-width 0"

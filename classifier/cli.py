@@ -1,0 +1,123 @@
+"""``tiered-router classifier …``: train, evaluate and calibrate from the command line.
+
+:func:`register` adds the ``classifier`` command to the service CLI's subparsers; ``python -m
+classifier.cli`` runs the same commands standalone. Only ``train`` imports scikit-learn/skl2onnx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cmd_calibrate", "cmd_evaluate", "cmd_train", "main", "register"]
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from classifier.train import CANDIDATES, train
+
+    data = Path(args.data)
+    if not data.is_file():
+        return _fail(f"no such file: {data}")
+    if args.heldout is not None:
+        heldout: Path | None = Path(args.heldout)
+    else:
+        sibling = data.with_name("heldout.jsonl")
+        heldout = sibling if sibling.is_file() and sibling.resolve() != data.resolve() else None
+    metadata = train(data, args.out, seed=args.seed, config=CANDIDATES[args.config], heldout_path=heldout)
+    print(
+        json.dumps({"out": str(args.out), "training_data": metadata["training_data"], **metadata["metrics"]})
+    )
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from classifier.evaluate import evaluate, format_report
+
+    if not Path(args.data).is_file():
+        return _fail(f"no such file: {args.data}")
+    try:
+        metrics = evaluate(args.data, args.model)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    print(json.dumps(metrics) if args.json else format_report(metrics))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from classifier.calibrate import calibrate, parse_shares
+
+    if not Path(args.data).is_file():
+        return _fail(f"no such file: {args.data}")
+    try:
+        result = calibrate(args.data, parse_shares(args.shares), args.model)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    targets, achieved = result["targets"], result["achieved"]
+    print(f"n = {result['n']}")
+    print(f"score_below  small {result['thresholds']['small']}   medium {result['thresholds']['medium']}")
+    for tier in targets:
+        print(f"  {tier:<7} target {targets[tier]:.3f}   achieved {achieved[tier]:.3f}")
+    print()
+    print(result["yaml"], end="")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``classifier {train,evaluate,calibrate}`` to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "classifier", help="train, evaluate and calibrate the complexity classifier"
+    )
+    _add_commands(parser.add_subparsers(dest="classifier_command", required=True))
+
+
+def _add_commands(sub: Any) -> None:
+    from classifier.train import CANDIDATES, DEFAULT_CONFIG  # cheap: scikit-learn loads inside train()
+
+    p = sub.add_parser("train", help="train on a labeled JSONL file and export model.onnx + metadata.json")
+    p.add_argument("--data", required=True, help='JSONL lines {"prompt": ..., "label": small|medium|large}')
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--heldout", help="labeled JSONL to report metrics on (default: heldout.jsonl next to --data)"
+    )
+    p.add_argument(
+        "--config", choices=sorted(CANDIDATES), default=DEFAULT_CONFIG.name, help="model configuration"
+    )
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="accuracy, confusion and latency on a labeled JSONL file")
+    p.add_argument("--data", required=True)
+    p.add_argument("--model", help="model directory or model.onnx (default: the shipped artifact)")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("calibrate", help="score_below thresholds that give target traffic shares")
+    p.add_argument("--data", required=True, help='JSONL lines {"prompt": ...} (label optional)')
+    p.add_argument("--shares", required=True, help="e.g. small=0.5,medium=0.3,large=0.2")
+    p.add_argument("--model", help="model directory or model.onnx (default: the shipped artifact)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m classifier.cli", description="the complexity classifier")
+    _add_commands(parser.add_subparsers(dest="classifier_command", required=True))
+    args = parser.parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

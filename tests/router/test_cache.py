@@ -1,0 +1,181 @@
+"""Response cache through the service: exact and semantic hits, partitions, what is never cached,
+SSE replay, and Redis-backed sharing between two app instances."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fixtures import tiny_policy_yaml
+from tests.router.conftest import Server, free_port, start_server
+
+CACHE_SERVICE = """
+  cache:
+    enabled: true
+    ttl_s: 60
+    max_entries: 100
+    backend: {backend}
+    redis_url_env: TEST_REDIS_URL
+    semantic: {{enabled: true, threshold: 0.9}}
+"""
+
+
+def policy_text(model_dir: Path, backend: str = "memory") -> str:
+    text = tiny_policy_yaml(model_dir, cache_enabled=True)
+    return text.replace("  cache:\n    enabled: true\n", CACHE_SERVICE.format(backend=backend))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    path = tmp_path_factory.mktemp("cache") / "policy.yaml"
+    path.write_text(policy_text(tiny_model_dir))
+    srv, stop = start_server(path, watch_policy=False)
+    yield srv
+    stop()
+
+
+# The tiny random model rarely emits EOS; common stop strings make its answers complete ("stop"),
+# and only complete answers are cached.
+STOPS = [" ", "e", "a", "o"]
+
+
+def chat(url: str, content: str, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:
+    payload = {"model": "small", "messages": [{"role": "user", "content": content}], "max_tokens": 40, "temperature": 0,
+               "stop": STOPS, **body}
+    return httpx.post(url + "/v1/chat/completions", json=payload, headers=headers or {}, timeout=30)
+
+
+def test_exact_hit_returns_the_same_answer_fast(server: Server) -> None:
+    first = chat(server.url, "What is the capital of France?")
+    assert first.headers["x-router-cache"] == "miss"
+    started = time.perf_counter()
+    second = chat(server.url, "What is the capital of France?")
+    hit_s = time.perf_counter() - started
+    assert second.headers["x-router-cache"] == "hit" and second.headers["x-router-cache-kind"] == "exact"
+    assert second.json()["choices"] == first.json()["choices"]
+    assert second.json()["id"] != first.json()["id"]
+    assert second.headers["x-router-tier"] == first.headers["x-router-tier"]
+    assert hit_s < 5  # generous; the benchmark measures the real ratio
+
+
+def test_paraphrase_hits_semantically_and_unrelated_misses(server: Server) -> None:
+    chat(server.url, "What is the capital city of France?")
+    para = chat(server.url, "Tell me the capital city of France")
+    assert para.headers["x-router-cache"] == "hit" and para.headers["x-router-cache-kind"] == "semantic"
+    assert float(para.headers["x-router-cache-similarity"]) >= 0.9
+    other = chat(server.url, "How do I bake sourdough bread at home?")
+    assert other.headers["x-router-cache"] == "miss"
+
+
+def test_no_hit_across_tenants(server: Server) -> None:
+    chat(server.url, "tenant question one", {"x-tenant": "a"})
+    assert chat(server.url, "tenant question one", {"x-tenant": "a"}).headers["x-router-cache"] == "hit"
+    assert chat(server.url, "tenant question one", {"x-tenant": "b"}).headers["x-router-cache"] == "miss"
+
+
+def test_sampled_requests_are_not_cached(server: Server) -> None:
+    chat(server.url, "sampled question", temperature=0.8)
+    assert chat(server.url, "sampled question", temperature=0.8).headers["x-router-cache"] == "miss"
+
+
+def test_no_cache_header_bypasses_lookup_and_store(server: Server) -> None:
+    nc = {"cache-control": "no-cache"}
+    chat(server.url, "bypass question", nc)
+    assert chat(server.url, "bypass question").headers["x-router-cache"] == "miss"
+    assert chat(server.url, "bypass question", nc).headers.get("x-router-cache") in ("miss", None)
+
+
+def test_truncated_answers_are_not_cached(server: Server) -> None:
+    first = chat(server.url, "truncate me please", max_tokens=2, ignore_eos=True, stop=None)
+    assert first.json()["choices"][0]["finish_reason"] == "length"
+    again = chat(server.url, "truncate me please", max_tokens=2, ignore_eos=True, stop=None)
+    assert again.headers["x-router-cache"] == "miss"
+
+
+def test_errored_answers_are_not_cached(server: Server) -> None:
+    engine = server.engine("small")
+    engine.step_hook = lambda batch: (_ for _ in ()).throw(RuntimeError("boom"))
+    try:
+        assert chat(server.url, "error question").status_code == 500
+    finally:
+        engine.step_hook = None
+    assert chat(server.url, "error question").headers["x-router-cache"] == "miss"
+
+
+def test_streaming_is_replayed_as_sse(server: Server) -> None:
+    body = {"model": "small", "messages": [{"role": "user", "content": "stream me"}], "max_tokens": 40, "temperature": 0,
+            "stop": STOPS, "stream": True, "stream_options": {"include_usage": True}}
+
+    def run() -> tuple[list[str], dict[str, str]]:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            return [line for line in r.iter_lines() if line], dict(r.headers)
+
+    live, h1 = run()
+    replay, h2 = run()
+    assert h1["x-router-cache"] == "miss" and h2["x-router-cache"] == "hit"
+    assert h2["content-type"].startswith("text/event-stream")
+    assert replay[-1] == "data: [DONE]"
+
+    import json
+
+    def text(lines: list[str]) -> str:
+        out = ""
+        for line in lines:
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    out += c["delta"].get("content") or ""
+        return out
+
+    assert text(replay) == text(live)
+    assert '"usage"' in replay[-2]
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (make test installs it)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.mark.redis
+def test_redis_shares_exact_entries_between_two_instances(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    os.environ["TEST_REDIS_URL"] = redis_url
+    try:
+        path = tmp_path / "policy.yaml"
+        path.write_text(policy_text(tiny_model_dir, backend="redis"))
+        a, stop_a = start_server(path, watch_policy=False)
+        b, stop_b = start_server(path, watch_policy=False)
+        try:
+            first = chat(a.url, "shared across replicas")
+            assert first.headers["x-router-cache"] == "miss"
+            other = chat(b.url, "shared across replicas")
+            assert other.headers["x-router-cache"] == "hit"
+            assert other.json()["choices"] == first.json()["choices"]
+        finally:
+            stop_a()
+            stop_b()
+    finally:
+        os.environ.pop("TEST_REDIS_URL", None)
