@@ -33,12 +33,18 @@ def main() -> None:
     from tiers.device import DeviceWorker
 
     worker = DeviceWorker()
-    result = worker.call(lambda: _setup())
+    result = worker.call(_setup)
     loaded, engine = result
     engine.attach(worker)
     tok = loaded.tokenizer
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                        tokenize=True)["input_ids"]) for p in PROMPTS]
+    ids = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for p in PROMPTS
+    ]
 
     rows: list[dict[str, Any]] = []
     for c in levels:
@@ -46,8 +52,14 @@ def main() -> None:
         seq_tps = worker.call(lambda batch=batch: _hf_sequential(loaded, batch))
         gb_tps = worker.call(lambda batch=batch: _hf_generate_batch(loaded, batch))
         eng_tps = _engine(engine, batch)
-        row = {"concurrency": c, "generate_sequential_tok_s": seq_tps, "generate_batch_tok_s": gb_tps,
-               "engine_tok_s": eng_tps, "vs_sequential": eng_tps / seq_tps, "vs_generate_batch": eng_tps / gb_tps}
+        row = {
+            "concurrency": c,
+            "generate_sequential_tok_s": seq_tps,
+            "generate_batch_tok_s": gb_tps,
+            "engine_tok_s": eng_tps,
+            "vs_sequential": eng_tps / seq_tps,
+            "vs_generate_batch": eng_tps / gb_tps,
+        }
         rows.append(row)
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
@@ -72,8 +84,11 @@ def _setup() -> tuple[Any, Any]:
     from tiers.scheduler import SchedulerConfig
 
     loaded = load_model("embedded:smollm2-135m-instruct", quantization="none", dtype="float32")
-    engine = Engine("large", ModelRunner(loaded, num_slots=16, max_model_len=512),
-                    SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512, max_waiting=64))
+    engine = Engine(
+        "large",
+        ModelRunner(loaded, num_slots=16, max_model_len=512),
+        SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512, max_waiting=64),
+    )
     engine.warmup()
     return loaded, engine
 
@@ -85,8 +100,13 @@ def _hf_sequential(loaded: Any, batch: list[list[int]]) -> float:
     started = time.perf_counter()
     total = 0
     for ids in batch:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=loaded.tokenizer.pad_token_id,
+        )
         total += out.shape[1] - len(ids)
     return total / (time.perf_counter() - started)
 
@@ -97,8 +117,12 @@ def _hf_generate_batch(loaded: Any, batch: list[list[int]]) -> float:
     from transformers import GenerationConfig
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                              pad_token_id=loaded.tokenizer.pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=loaded.tokenizer.pad_token_id,
+    )
     started = time.perf_counter()
     out = loaded.model.generate_batch(inputs=batch, generation_config=config, progress_bar=False)
     total = sum(len(v.generated_tokens) for v in out.values())
@@ -111,7 +135,9 @@ def _engine(engine: Any, batch: list[list[int]]) -> float:
     async def run() -> int:
         async def one(ids: list[int]) -> int:
             n = 0
-            async for out in engine.submit(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)):
+            async for out in engine.submit(
+                ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            ):
                 n += len(out.token_ids)
             return n
 
@@ -142,7 +168,9 @@ def _queued_memory(engine: Any, ids: list[list[int]]) -> dict[str, float]:
     async def run() -> int:
         async def one(i: int) -> int:
             n = 0
-            async for out in engine.submit(ids[i % len(ids)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)):
+            async for out in engine.submit(
+                ids[i % len(ids)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+            ):
                 n += len(out.token_ids)
             return n
 
@@ -154,8 +182,14 @@ def _queued_memory(engine: Any, ids: list[list[int]]) -> dict[str, float]:
     done.set()
     sampler.join()
     kv = engine.runner.kv_bytes / 2**20
-    return {"rss_before_mb": round(before, 1), "rss_peak_mb": round(peak, 1), "growth_mb": round(peak - before, 1),
-            "kv_pool_mb": round(kv, 1), "tokens": total, "seconds": round(elapsed, 2)}
+    return {
+        "rss_before_mb": round(before, 1),
+        "rss_peak_mb": round(peak, 1),
+        "growth_mb": round(peak - before, 1),
+        "kv_pool_mb": round(kv, 1),
+        "tokens": total,
+        "seconds": round(elapsed, 2),
+    }
 
 
 def _plot(rows: list[dict[str, Any]]) -> None:

@@ -37,8 +37,14 @@ def main() -> None:
     plain.attach(worker)
     spec.attach(worker)
     tok = target.tokenizer
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                        tokenize=True)["input_ids"]) for p in PROMPTS]
+    ids = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for p in PROMPTS
+    ]
     rows = []
     for batch_size in (1, 4, 16):
         batch = [ids[i % len(ids)] for i in range(batch_size)]
@@ -66,14 +72,17 @@ def main() -> None:
     cost = {f"{b}x{t}": round(v * 1000, 1) for (b, t), v in sorted(spec.spec.target_cost.items())}
     dcost = {f"{b}x{t}": round(v * 1000, 1) for (b, t), v in sorted(spec.spec.draft_cost.items())}
     worker.stop()
-    write_json("speculative", {
-        "target": "embedded:smollm2-135m-instruct fp32 (large tier)",
-        "draft": "embedded:smollm2-135m-instruct int8 weights (medium tier)",
-        "new_tokens": NEW_TOKENS,
-        "rows": rows,
-        "controller_cost_ms": {"target": cost, "draft": dcost},
-        "targets": {"speedup_batch1": 1.6, "min_speedup_batch16": 0.95, "vs_hf_assisted_batch1": 1.0},
-    })
+    write_json(
+        "speculative",
+        {
+            "target": "embedded:smollm2-135m-instruct fp32 (large tier)",
+            "draft": "embedded:smollm2-135m-instruct int8 weights (medium tier)",
+            "new_tokens": NEW_TOKENS,
+            "rows": rows,
+            "controller_cost_ms": {"target": cost, "draft": dcost},
+            "targets": {"speedup_batch1": 1.6, "min_speedup_batch16": 0.95, "vs_hf_assisted_batch1": 1.0},
+        },
+    )
     _plot(rows)
 
 
@@ -87,8 +96,13 @@ def _setup() -> tuple[Any, Any, Any, Any]:
     draft = load_model("embedded:smollm2-135m-instruct", quantization="int8")
     cfg = SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512)
     plain = Engine("plain", ModelRunner(target, num_slots=16, max_model_len=512), cfg)
-    spec = Engine("spec", ModelRunner(target, num_slots=16, max_model_len=512), cfg,
-                  draft_runner=ModelRunner(draft, num_slots=16, max_model_len=512), speculative_tokens=4)
+    spec = Engine(
+        "spec",
+        ModelRunner(target, num_slots=16, max_model_len=512),
+        cfg,
+        draft_runner=ModelRunner(draft, num_slots=16, max_model_len=512),
+        speculative_tokens=4,
+    )
     plain.warmup()
     spec.warmup()
     return target, draft, plain, spec
@@ -100,7 +114,9 @@ def _engine_tps(engine: Any, batch: list[list[int]]) -> tuple[float, int, int, i
     async def run() -> list[Any]:
         async def one(ids: list[int]) -> Any:
             last = None
-            async for out in engine.submit(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)):
+            async for out in engine.submit(
+                ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            ):
                 last = out
             return last
 
@@ -127,8 +143,12 @@ def _assisted(target: Any, draft: Any, prompts: list[list[int]]) -> float:
     total = 0
     started = time.perf_counter()
     for ids in prompts:
-        kwargs: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
-                                  "pad_token_id": target.tokenizer.pad_token_id}
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": NEW_TOKENS,
+            "min_new_tokens": NEW_TOKENS,
+            "do_sample": False,
+            "pad_token_id": target.tokenizer.pad_token_id,
+        }
         if draft is not None:
             kwargs["assistant_model"] = draft.model
         out = target.model.generate(torch.tensor([ids]), **kwargs)
@@ -148,7 +168,12 @@ def _plot(rows: list[dict[str, Any]]) -> None:
     w = 0.27
     ax.bar([i - w for i in x], [r["plain_tok_s"] for r in rows], w, label="large, no draft")
     ax.bar(list(x), [r["spec_tok_s"] for r in rows], w, label="large + medium draft (adaptive k)")
-    ax.bar([i + w for i in x], [r.get("hf_assisted_tok_s", 0) for r in rows], w, label="transformers assisted (batch 1)")
+    ax.bar(
+        [i + w for i in x],
+        [r.get("hf_assisted_tok_s", 0) for r in rows],
+        w,
+        label="transformers assisted (batch 1)",
+    )
     ax.set_xticks(list(x), labels)
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens / s")

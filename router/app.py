@@ -42,20 +42,26 @@ __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/dashboard", "/dashboard/data", "/schema", "/schema/openapi.json"})
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/dashboard", "/dashboard/data", "/schema", "/schema/openapi.json"}
+)
 
 _ERRORS = {
     400: ResponseSpec(api_types.ErrorResponse, description="Invalid request (names the param)"),
     401: ResponseSpec(api_types.ErrorResponse, description="Missing or invalid API key"),
     404: ResponseSpec(api_types.ErrorResponse, description="Unknown model"),
     413: ResponseSpec(api_types.ErrorResponse, description="Body too large"),
-    429: ResponseSpec(api_types.ErrorResponse, description="Tier at capacity or tenant rate limit (Retry-After)"),
-    503: ResponseSpec(api_types.ErrorResponse, description="Not ready, draining, or queue timeout (Retry-After)"),
+    429: ResponseSpec(
+        api_types.ErrorResponse, description="Tier at capacity or tenant rate limit (Retry-After)"
+    ),
+    503: ResponseSpec(
+        api_types.ErrorResponse, description="Not ready, draining, or queue timeout (Retry-After)"
+    ),
 }
 
 
 def _service(request: Request[Any, Any, Any]) -> RouterService:
-    return request.app.state.service  # type: ignore[no-any-return]
+    return request.app.state.service
 
 
 def _context(request: Request[Any, Any, Any]) -> CallContext:
@@ -117,7 +123,12 @@ async def _wait_disconnect(request: Request[Any, Any, Any]) -> None:
     "/v1/chat/completions",
     status_code=HTTP_200_OK,
     summary="Create a chat completion (routed by complexity when model is 'auto')",
-    responses={200: ResponseSpec(api_types.ChatCompletion, description="Completion, or an SSE stream of chunks when stream=true"), **_ERRORS},
+    responses={
+        200: ResponseSpec(
+            api_types.ChatCompletion, description="Completion, or an SSE stream of chunks when stream=true"
+        ),
+        **_ERRORS,
+    },
 )
 async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[Any]:
     service = _service(request)
@@ -128,7 +139,12 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     "/v1/completions",
     status_code=HTTP_200_OK,
     summary="Create a text completion",
-    responses={200: ResponseSpec(api_types.TextCompletion, description="Completion, or an SSE stream when stream=true"), **_ERRORS},
+    responses={
+        200: ResponseSpec(
+            api_types.TextCompletion, description="Completion, or an SSE stream when stream=true"
+        ),
+        **_ERRORS,
+    },
 )
 async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[Any]:
     service = _service(request)
@@ -140,7 +156,10 @@ async def list_models(request: Request[Any, Any, Any]) -> api_types.ModelList:
     service = _service(request)
     created = 1735689600
     return api_types.ModelList(
-        data=[api_types.Model(id=name, created=created, owned_by="tiered-router") for name in service.model_names()]
+        data=[
+            api_types.Model(id=name, created=created, owned_by="tiered-router")
+            for name in service.model_names()
+        ]
     )
 
 
@@ -155,10 +174,16 @@ async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[An
     if data.messages is None and data.prompt is None:
         raise BadRequestError("Give 'messages' or 'prompt'.", param="messages")
     messages = (
-        [{"role": m.role, "content": message_text(m.content)} for m in data.messages] if data.messages is not None else None
+        [{"role": m.role, "content": message_text(m.content)} for m in data.messages]
+        if data.messages is not None
+        else None
     )
     info = service.route_info(_context(request), data.model, messages, data.prompt)
-    headers = {"x-router-tier": info["tier"], "x-router-score": f"{info['score']:.4f}", "x-router-rule": info["rule"]}
+    headers = {
+        "x-router-tier": info["tier"],
+        "x-router-score": f"{info['score']:.4f}",
+        "x-router-rule": info["rule"],
+    }
     return Response(content=info, headers=headers)
 
 
@@ -173,8 +198,12 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
     state = request.app.state
     if service.ready:
         return Response(content={"status": "ready", "tiers": list(service.policy.tiers)}, status_code=200)
-    reason = "draining" if service.draining else ("failed: " + state.load_error if state.load_error else "loading")
-    return Response(content={"status": "not ready", "reason": reason}, status_code=503, headers={"retry-after": "5"})
+    reason = (
+        "draining" if service.draining else ("failed: " + state.load_error if state.load_error else "loading")
+    )
+    return Response(
+        content={"status": "not ready", "reason": reason}, status_code=503, headers={"retry-after": "5"}
+    )
 
 
 @get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE_LATEST)
@@ -215,7 +244,7 @@ def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response
         err = exc
     elif isinstance(exc, ValidationException):
         param, message = _validation_param(exc)
-        if "malformed" in message.lower() or "json" in str(exc.detail).lower() and param is None:
+        if "malformed" in message.lower() or ("json" in str(exc.detail).lower() and param is None):
             err = BadRequestError(f"Invalid JSON body: {exc.detail}", code="invalid_json")
         else:
             where = f" at '{param}'" if param else ""
@@ -267,7 +296,11 @@ def _middleware(app: Any) -> Any:
             state.telemetry.server_span(
                 f"{scope.get('method', 'GET')} {path}",
                 headers,
-                {"http.request.method": scope.get("method", ""), "url.path": path, "server.address": headers.get("host", "")},
+                {
+                    "http.request.method": scope.get("method", ""),
+                    "url.path": path,
+                    "server.address": headers.get("host", ""),
+                },
             )
             if path.startswith("/v1/")
             else None
@@ -351,8 +384,10 @@ def create_app(
         state.service = service
         state.api_keys = ApiKeys.from_policy(policy)
         telemetry.watch_engines(
-            lambda: {name: (b.engine.load() if hasattr(b, "engine") else b.client.load())
-                     for name, b in (service.tiers.tiers.items() if service.tiers else [])}
+            lambda: {
+                name: (b.engine.load() if hasattr(b, "engine") else b.client.load())
+                for name, b in (service.tiers.tiers.items() if service.tiers else [])
+            }
         )
         loader = None
         if tiers is not None:
@@ -360,7 +395,9 @@ def create_app(
             telemetry.ready.set(1)
         else:
             loader = asyncio.create_task(asyncio.to_thread(_load_tiers, app))
-        watcher = PolicyWatcher(Path(policy_path), app, interval_s=reload_interval_s) if watch_policy else None
+        watcher = (
+            PolicyWatcher(Path(policy_path), app, interval_s=reload_interval_s) if watch_policy else None
+        )
         if watcher is not None:
             watcher.start()
         try:
@@ -380,7 +417,17 @@ def create_app(
             telemetry.shutdown()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, route, healthz, readyz, metrics, dashboard, dashboard_json],
+        route_handlers=[
+            chat_completions,
+            completions,
+            list_models,
+            route,
+            healthz,
+            readyz,
+            metrics,
+            dashboard,
+            dashboard_json,
+        ],
         lifespan=[lifespan],
         middleware=[_middleware],
         exception_handlers={Exception: _error_response},

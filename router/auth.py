@@ -55,7 +55,7 @@ class ApiKeys:
                 log.error("auth: cannot read api_keys_file %s: %s", auth.api_keys_file, exc)
         return cls(entries)
 
-    def authenticate(self, authorization: str | None) -> str | None | bool:
+    def authenticate(self, authorization: str | None) -> str | bool | None:
         """The key's tenant (or None when it names none), or False when the key is missing or wrong."""
         if not authorization:
             return False
@@ -63,7 +63,7 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not token.strip():
             return False
         digest = hashlib.sha256(token.strip().encode()).digest()
-        match: str | None | bool = False
+        match: str | bool | None = False
         for stored, tenant in self._entries:  # no early exit: time does not depend on which key matched
             if hmac.compare_digest(stored, digest):
                 match = tenant

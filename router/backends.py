@@ -154,7 +154,9 @@ def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
     return (cfg.model, cfg.dtype, cfg.quantization, cfg.device)
 
 
-def _check_draft_compatible(policy_source: str, tier: str, draft: str, target: LoadedModel, drafter: LoadedModel) -> None:
+def _check_draft_compatible(
+    policy_source: str, tier: str, draft: str, target: LoadedModel, drafter: LoadedModel
+) -> None:
     """A draft must share the target's vocabulary: its token ids are fed to the target as they are."""
     t_vocab = target.tokenizer.get_vocab()
     d_vocab = drafter.tokenizer.get_vocab()
@@ -202,17 +204,33 @@ def build_tiers(
         if key in old_models:
             models[key] = old_models[key]
             continue
-        log.info("loading model %s (dtype=%s, quantization=%s, device=%s)", cfg.model, cfg.dtype, cfg.quantization, cfg.device)
-        models[key] = worker.call(
-            lambda cfg=cfg: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, quantization=cfg.quantization)
+        log.info(
+            "loading model %s (dtype=%s, quantization=%s, device=%s)",
+            cfg.model,
+            cfg.dtype,
+            cfg.quantization,
+            cfg.device,
         )
+
+        def load(cfg: TierConfig = cfg) -> LoadedModel:
+            return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, quantization=cfg.quantization)
+
+        models[key] = worker.call(load)
     backends: dict[str, Backend] = {}
     new_engines: list[Engine] = []
     for name, cfg in policy.tiers.items():
         old = reuse.tiers.get(name) if reuse is not None else None
-        if old is not None and old.key == engine_key(cfg) and (
-            cfg.draft is None or (reuse is not None and reuse.tiers.get(cfg.draft) is not None
-                                  and reuse.tiers[cfg.draft].key == engine_key(policy.tiers[cfg.draft]))
+        if (
+            old is not None
+            and old.key == engine_key(cfg)
+            and (
+                cfg.draft is None
+                or (
+                    reuse is not None
+                    and reuse.tiers.get(cfg.draft) is not None
+                    and reuse.tiers[cfg.draft].key == engine_key(policy.tiers[cfg.draft])
+                )
+            )
         ):
             old.cfg = cfg
             backends[name] = old
@@ -242,8 +260,13 @@ def build_tiers(
             max_waiting=cfg.max_queue,
         )
 
-        def make_engine(name: str = name, cfg: TierConfig = cfg, loaded: LoadedModel = loaded,
-                        draft_loaded: LoadedModel | None = draft_loaded, sched: SchedulerConfig = sched) -> Engine:
+        def make_engine(
+            name: str = name,
+            cfg: TierConfig = cfg,
+            loaded: LoadedModel = loaded,
+            draft_loaded: LoadedModel | None = draft_loaded,
+            sched: SchedulerConfig = sched,
+        ) -> Engine:
             runner = ModelRunner(loaded, num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
             draft_runner = (
                 ModelRunner(draft_loaded, num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)

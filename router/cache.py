@@ -91,7 +91,7 @@ class RedisStore:
         except Exception as exc:  # the cache is an optimization: a Redis outage is a miss
             log.warning("redis cache get failed: %s", exc)
             return None
-        return None if raw is None else json.loads(raw)  # type: ignore[no-any-return]
+        return None if raw is None else json.loads(raw)
 
     async def set(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
         try:
@@ -133,8 +133,19 @@ class ResponseCache:
     def _shape(gen: _Gen) -> dict[str, Any]:
         """Everything but the conversation content that changes the answer."""
         req = gen.request
-        fields = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "ignore_eos")
+        fields = (
+            "model",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "ignore_eos",
+        )
         shape = {f: getattr(req, f, None) for f in fields}
         shape["max_completion_tokens"] = getattr(req, "max_completion_tokens", None)
         shape["kind"] = gen.kind
@@ -186,7 +197,9 @@ class ResponseCache:
             headers["x-router-cache-similarity"] = f"{similarity:.4f}"
         from router.service import Completion
 
-        body = dict(entry["body"], id=completion_id("chatcmpl" if gen.kind == "chat" else "cmpl"), created=now())
+        body = dict(
+            entry["body"], id=completion_id("chatcmpl" if gen.kind == "chat" else "cmpl"), created=now()
+        )
         if gen.stream:
             return Completion(headers, stream=_replay(gen, body))
         return Completion(headers, body=body)
@@ -208,8 +221,15 @@ class ResponseCache:
                 best = (entry.key, sim)
         return best
 
-    async def store(self, gen: _Gen, ctx: CallContext, service: RouterService, body: dict[str, Any],
-                    decision: Decision, usage: dict[str, Any]) -> None:
+    async def store(
+        self,
+        gen: _Gen,
+        ctx: CallContext,
+        service: RouterService,
+        body: dict[str, Any],
+        decision: Decision,
+        usage: dict[str, Any],
+    ) -> None:
         if not self.cacheable(gen):
             return
         partition = self._partition(ctx, service.policy)
@@ -219,8 +239,9 @@ class ResponseCache:
         if self._semantic_enabled(gen):
             assert self.embedder is not None
             vec = await asyncio.to_thread(self.embedder.embed, gen.last_user)
-            self._semantic[key] = _SemanticEntry(vec, self._semantic_scope(gen, partition), key,
-                                                 time.monotonic() + self.config.ttl_s)
+            self._semantic[key] = _SemanticEntry(
+                vec, self._semantic_scope(gen, partition), key, time.monotonic() + self.config.ttl_s
+            )
             self._semantic.move_to_end(key)
             while len(self._semantic) > self.config.max_entries:
                 self._semantic.popitem(last=False)
@@ -248,7 +269,16 @@ async def _replay(gen: _Gen, body: dict[str, Any]) -> AsyncIterator[bytes]:
     yield _sse_event(chunk({"content": text} if gen.kind == "chat" else text, None))
     yield _sse_event(chunk({} if gen.kind == "chat" else "", choice["finish_reason"]))
     if gen.include_usage:
-        yield _sse_event({"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": body["usage"]})
+        yield _sse_event(
+            {
+                "id": cid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": body["usage"],
+            }
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -260,7 +290,9 @@ def build_cache(policy: Policy) -> ResponseCache | None:
     if cfg.backend == "redis":
         url = os.environ.get(cfg.redis_url_env)
         if not url:
-            log.error("cache backend is redis but $%s is unset; using the in-process store", cfg.redis_url_env)
+            log.error(
+                "cache backend is redis but $%s is unset; using the in-process store", cfg.redis_url_env
+            )
             store = MemoryStore(cfg.max_entries)
         else:
             store = RedisStore(url)

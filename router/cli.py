@@ -31,8 +31,10 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
         policy = load_policy(args.file)
     except PolicyError as exc:
         return _policy_error_exit(exc)
-    print(f"{args.file}: valid (version {policy.version}, tiers: {', '.join(policy.tiers)}, "
-          f"{len(policy.routing.rules)} rules)")
+    print(
+        f"{args.file}: valid (version {policy.version}, tiers: {', '.join(policy.tiers)}, "
+        f"{len(policy.routing.rules)} rules)"
+    )
     return 0
 
 
@@ -49,21 +51,30 @@ def cmd_route(args: argparse.Namespace) -> int:
     clf = ComplexityClassifier.load(policy.service.classifier.path)
     score = clf.score(args.prompt)
     headers = dict(h.lower().split(":", 1) for h in args.header) if args.header else {}
-    request = RouteRequest(model=args.model, headers={k.strip(): v.strip() for k, v in headers.items()},
-                           tenant=args.tenant, prompt_tokens=len(args.prompt) // 4)
+    request = RouteRequest(
+        model=args.model,
+        headers={k.strip(): v.strip() for k, v in headers.items()},
+        tenant=args.tenant,
+        prompt_tokens=len(args.prompt) // 4,
+    )
     try:
         d = decide(policy, request, score)
     except RouterError as exc:
         print(json.dumps(exc.to_body()), file=sys.stderr)
         return 1
-    print(json.dumps({
-        "tier": d.tier,
-        "score": round(score.value, 4),
-        "rule": d.rule,
-        "reason": d.reason,
-        "predicted": score.tier,
-        "probabilities": {k: round(v, 4) for k, v in score.probabilities.items()},
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "tier": d.tier,
+                "score": round(score.value, 4),
+                "rule": d.rule,
+                "reason": d.reason,
+                "predicted": score.tier,
+                "probabilities": {k: round(v, 4) for k, v in score.probabilities.items()},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -76,7 +87,9 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
         policy = load_policy(args.policy)
     except PolicyError as exc:
         return _policy_error_exit(exc)
-    names = sorted({t.model.removeprefix("embedded:") for t in policy.tiers.values() if t.model.startswith("embedded:")})
+    names = sorted(
+        {t.model.removeprefix("embedded:") for t in policy.tiers.values() if t.model.startswith("embedded:")}
+    )
     for name in names:
         try:
             path = materialize_embedded(name)
@@ -99,8 +112,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(args.policy)
     except PolicyError as exc:
         return _policy_error_exit(exc)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            timeout_graceful_shutdown=10, access_log=args.access_log)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+        access_log=args.access_log,
+    )
     server = DrainingServer(config, app)
     asyncio.run(server.serve())
     return 0
@@ -150,7 +170,9 @@ class DrainingServer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiered-router", description="A tiered model router with one OpenAI-compatible endpoint.")
+    parser = argparse.ArgumentParser(
+        prog="tiered-router", description="A tiered model router with one OpenAI-compatible endpoint."
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -190,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.command == "policy" and not Path(args.file).exists():
         print(f"invalid policy {args.file}: file not found", file=sys.stderr)
         return 2

@@ -39,9 +39,13 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return prev_le
 
 
-def _hist(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, tier: str) -> dict[str, float | None]:
+def _hist(
+    samples: dict[str, list[tuple[dict[str, str], float]]], name: str, tier: str
+) -> dict[str, float | None]:
     buckets = sorted(
-        (float(labels["le"]), value) for labels, value in samples.get(f"{name}_bucket", []) if labels.get("tier") == tier
+        (float(labels["le"]), value)
+        for labels, value in samples.get(f"{name}_bucket", [])
+        if labels.get("tier") == tier
     )
     return {f"p{int(q * 100)}": _quantile(buckets, q) for q in (0.5, 0.95, 0.99)}
 
@@ -73,21 +77,23 @@ def dashboard_data(telemetry: Telemetry, service: RouterService) -> dict[str, An
     tiers = []
     for name, cfg in service.policy.tiers.items():
         d = drafted.get(name, 0.0)
-        tiers.append({
-            "name": name,
-            "model": cfg.model,
-            "quantization": cfg.quantization,
-            "draft": cfg.draft,
-            "running": running.get(name, 0.0),
-            "waiting": waiting.get(name, 0.0),
-            "capacity": cfg.max_num_seqs,
-            "requests": requests.get(name, {}),
-            "completion_tokens": completion.get(name, 0.0),
-            "ttft_s": _hist(s, "router_time_to_first_token_seconds", name),
-            "e2e_s": _hist(s, "router_request_duration_seconds", name),
-            "itl_s": _hist(s, "router_inter_token_latency_seconds", name),
-            "acceptance_rate": (accepted.get(name, 0.0) / d) if d else None,
-        })
+        tiers.append(
+            {
+                "name": name,
+                "model": cfg.model,
+                "quantization": cfg.quantization,
+                "draft": cfg.draft,
+                "running": running.get(name, 0.0),
+                "waiting": waiting.get(name, 0.0),
+                "capacity": cfg.max_num_seqs,
+                "requests": requests.get(name, {}),
+                "completion_tokens": completion.get(name, 0.0),
+                "ttft_s": _hist(s, "router_time_to_first_token_seconds", name),
+                "e2e_s": _hist(s, "router_request_duration_seconds", name),
+                "itl_s": _hist(s, "router_inter_token_latency_seconds", name),
+                "acceptance_rate": (accepted.get(name, 0.0) / d) if d else None,
+            }
+        )
     hits = sum(v for _, v in s.get("router_cache_hits_total", []))
     misses = sum(v for _, v in s.get("router_cache_misses_total", []))
     return {

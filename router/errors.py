@@ -28,7 +28,12 @@ class RouterError(Exception):
     default_code: str | None = "internal_error"
 
     def __init__(
-        self, message: str, *, param: str | None = None, code: str | None = None, retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -37,7 +42,14 @@ class RouterError(Exception):
         self.retry_after = retry_after
 
     def to_body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class BadRequestError(RouterError):

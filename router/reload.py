@@ -54,7 +54,9 @@ async def apply_policy(app: Any, new: Policy) -> None:
     old_tiers = service.tiers
     if old_tiers is not None and _needs_new_engines(old_policy, new):
         log.info("policy reload: tier engines changed; building them in the background")
-        tiers = await asyncio.to_thread(build_tiers, new, state.worker, observer=state.telemetry, reuse=old_tiers)
+        tiers = await asyncio.to_thread(
+            build_tiers, new, state.worker, observer=state.telemetry, reuse=old_tiers
+        )
         service.policy, service.tiers = new, tiers
         kept = {id(b) for b in tiers.tiers.values()}
         retired = [b for b in old_tiers.tiers.values() if id(b) not in kept]
@@ -125,7 +127,9 @@ class PolicyWatcher:
             return False
         except Exception as exc:
             telemetry.policy_reload_failures.inc()
-            log.error("policy reload failed while building tiers; the previous policy stays in force: %s", exc)
+            log.error(
+                "policy reload failed while building tiers; the previous policy stays in force: %s", exc
+            )
             return False
         self.last_error = None
         telemetry.policy_reloads.inc()

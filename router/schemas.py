@@ -122,7 +122,9 @@ def validate_sampling(req: _SamplingFields) -> None:
     if len(stops) > MAX_STOP_SEQUENCES:
         raise BadRequestError(f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences.", param="stop")
     if any(len(s) > MAX_STOP_LENGTH for s in stops):
-        raise BadRequestError(f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters.", param="stop")
+        raise BadRequestError(
+            f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters.", param="stop"
+        )
 
 
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -140,12 +140,16 @@ class RouterService:
         return self.policy.model_names
 
     # -- routing -------------------------------------------------------------------------------
-    def route(self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None) -> Routed:
+    def route(
+        self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
+    ) -> Routed:
         policy = self.policy  # one snapshot for the whole decision (hot reload swaps the attribute)
         with self.telemetry.span("classify", parent=ctx.span) as span:
             started = time.perf_counter()
             if messages is not None:
-                score = self.classifier.score_messages(messages, context_chars=policy.service.classifier.context_chars)
+                score = self.classifier.score_messages(
+                    messages, context_chars=policy.service.classifier.context_chars
+                )
             else:
                 score = self.classifier.score(prompt or "")
             classify_s = time.perf_counter() - started
@@ -155,7 +159,9 @@ class RouterService:
         with self.telemetry.span("policy.decide", parent=ctx.span) as span:
             prompt_tokens = self._count_tokens(policy, messages, prompt)
             load = self.tiers.load_map() if self.tiers is not None else {}
-            request = RouteRequest(model=model, headers=ctx.headers, tenant=ctx.tenant, prompt_tokens=prompt_tokens)
+            request = RouteRequest(
+                model=model, headers=ctx.headers, tenant=ctx.tenant, prompt_tokens=prompt_tokens
+            )
             decision = decide(policy, request, score, load)
             span.set_attribute("router.tier", decision.tier)
             span.set_attribute("router.rule", decision.rule)
@@ -166,7 +172,8 @@ class RouterService:
 
     def _count_tokens(self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
         uses = any(
-            r.when is not None and (r.when.prompt_tokens_above is not None or r.when.prompt_tokens_at_most is not None)
+            r.when is not None
+            and (r.when.prompt_tokens_above is not None or r.when.prompt_tokens_at_most is not None)
             for r in policy.routing.rules
         )
         text = prompt if messages is None else "\n".join(m["content"] for m in messages)
@@ -175,7 +182,9 @@ class RouterService:
             return len(text or "") // 4  # a rough count when no rule needs an exact one
         return len(tok.encode(text or "", add_special_tokens=False))
 
-    def route_info(self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None) -> dict[str, Any]:
+    def route_info(
+        self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
+    ) -> dict[str, Any]:
         routed = self.route(ctx, model, messages, prompt)
         d, s = routed.decision, routed.score
         return {
@@ -200,23 +209,45 @@ class RouterService:
         if not req.messages:
             raise BadRequestError("'messages' must contain at least one message.", param="messages")
         if req.logprobs:
-            raise BadRequestError("logprobs are not supported by this server.", param="logprobs", code="unsupported_value")
+            raise BadRequestError(
+                "logprobs are not supported by this server.", param="logprobs", code="unsupported_value"
+            )
         messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        gen = _Gen("chat", req, messages, None, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), last_user=last_user)
+        gen = _Gen(
+            "chat",
+            req,
+            messages,
+            None,
+            bool(req.stream),
+            bool(req.stream_options and req.stream_options.include_usage),
+            last_user=last_user,
+        )
         return await self._generate(gen, ctx)
 
     async def complete(self, req: CompletionRequest, ctx: CallContext) -> Completion:
         validate_sampling(req)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
-                raise BadRequestError("Only a single prompt per request is supported.", param="prompt", code="unsupported_value")
+                raise BadRequestError(
+                    "Only a single prompt per request is supported.", param="prompt", code="unsupported_value"
+                )
             prompt = req.prompt[0]
         else:
             prompt = req.prompt
         if req.logprobs:
-            raise BadRequestError("logprobs are not supported by this server.", param="logprobs", code="unsupported_value")
-        gen = _Gen("completion", req, None, prompt, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), last_user=prompt)
+            raise BadRequestError(
+                "logprobs are not supported by this server.", param="logprobs", code="unsupported_value"
+            )
+        gen = _Gen(
+            "completion",
+            req,
+            None,
+            prompt,
+            bool(req.stream),
+            bool(req.stream_options and req.stream_options.include_usage),
+            last_user=prompt,
+        )
         return await self._generate(gen, ctx)
 
     def _check_rate(self, ctx: CallContext) -> None:
@@ -240,13 +271,18 @@ class RouterService:
                 return hit
         routed = self.route(ctx, req.model, gen.messages, gen.prompt)
         d = routed.decision
-        headers = {"x-router-tier": d.tier, "x-router-score": f"{routed.score.value:.4f}", "x-router-rule": d.rule}
+        headers = {
+            "x-router-tier": d.tier,
+            "x-router-score": f"{routed.score.value:.4f}",
+            "x-router-rule": d.rule,
+        }
         if self.cache is not None:
             headers["x-router-cache"] = "miss"
         if d.rejected:
             self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "rejected").inc()
             raise OverloadedError(
-                f"Tier '{d.tier}' is at capacity and no fallback tier is free; retry shortly.", retry_after=RETRY_AFTER_S
+                f"Tier '{d.tier}' is at capacity and no fallback tier is free; retry shortly.",
+                retry_after=RETRY_AFTER_S,
             )
         backend = tiers.get(d.tier)
         if isinstance(backend, RemoteBackend):
@@ -258,8 +294,12 @@ class RouterService:
         if ctx.span is not None:
             ctx.span.set_attributes(span_attrs)
         if gen.stream:
-            return Completion(headers, stream=await self._sse(gen, d, source, span_attrs, prompt_tokens_hint, ctx))
-        return Completion(headers, body=await self._collect(gen, d, source, span_attrs, prompt_tokens_hint, ctx))
+            return Completion(
+                headers, stream=await self._sse(gen, d, source, span_attrs, prompt_tokens_hint, ctx)
+            )
+        return Completion(
+            headers, body=await self._collect(gen, d, source, span_attrs, prompt_tokens_hint, ctx)
+        )
 
     def _sampling(self, backend: LocalTier, gen: _Gen, num_prompt: int) -> SamplingParams:
         req = gen.request
@@ -291,10 +331,13 @@ class RouterService:
         try:
             handle = backend.engine.submit(ids, params)
         except EngineFullError as exc:
-            raise OverloadedError(f"Tier '{backend.name}' is at capacity; retry shortly.", retry_after=RETRY_AFTER_S) from exc
+            raise OverloadedError(
+                f"Tier '{backend.name}' is at capacity; retry shortly.", retry_after=RETRY_AFTER_S
+            ) from exc
         except ValueError as exc:
-            raise BadRequestError(str(exc), param="messages" if gen.kind == "chat" else "prompt",
-                                  code="context_length_exceeded") from exc
+            raise BadRequestError(
+                str(exc), param="messages" if gen.kind == "chat" else "prompt", code="context_length_exceeded"
+            ) from exc
         return handle.__aiter__(), len(ids)
 
     def _remote_stream(self, backend: RemoteBackend, gen: _Gen) -> AsyncIterator[StepOutput]:
@@ -307,8 +350,11 @@ class RouterService:
             return await asyncio.wait_for(anext(source), timeout=self.policy.service.queue_timeout_s)
         except TimeoutError:
             await _aclose(source)
-            raise UnavailableError("Timed out waiting for capacity; retry shortly.", code="queue_timeout",
-                                   retry_after=RETRY_AFTER_S) from None
+            raise UnavailableError(
+                "Timed out waiting for capacity; retry shortly.",
+                code="queue_timeout",
+                retry_after=RETRY_AFTER_S,
+            ) from None
         except RemoteError as exc:
             raise _remote_error(exc) from exc
 
@@ -323,41 +369,72 @@ class RouterService:
             "router.score": routed.score.value,
             "router.reason": d.reason,
         }
-        for key, value in (("temperature", req.temperature), ("top_p", req.top_p), ("max_tokens", req.max_tokens), ("seed", req.seed)):
+        for key, value in (
+            ("temperature", req.temperature),
+            ("top_p", req.top_p),
+            ("max_tokens", req.max_tokens),
+            ("seed", req.seed),
+        ):
             if value is not None:
                 attrs[f"gen_ai.request.{key}"] = value
         if self.telemetry.record_content:
-            attrs["gen_ai.prompt"] = json.dumps(gen.messages) if gen.messages is not None else (gen.prompt or "")
+            attrs["gen_ai.prompt"] = (
+                json.dumps(gen.messages) if gen.messages is not None else (gen.prompt or "")
+            )
         return attrs
 
-    def _finish_record(self, gen: _Gen, d: Decision, last: StepOutput, outcome: str, span_attrs: dict[str, Any],
-                       prompt_hint: int, text: str) -> dict[str, Any]:
+    def _finish_record(
+        self,
+        gen: _Gen,
+        d: Decision,
+        last: StepOutput,
+        outcome: str,
+        span_attrs: dict[str, Any],
+        prompt_hint: int,
+        text: str,
+    ) -> dict[str, Any]:
         prompt_tokens = last.num_prompt_tokens or prompt_hint
         self.telemetry.requests.labels(gen.kind, d.tier, d.rule, outcome).inc()
         if last.timings:
-            self.telemetry.record_generation(d.tier, last.timings, prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+            self.telemetry.record_generation(
+                d.tier, last.timings, prompt_tokens, last.num_output_tokens, last.num_cached_tokens
+            )
             if "arrival" in last.timings and "finish" in last.timings:
                 self.telemetry.e2e.labels(d.tier).observe(last.timings["finish"] - last.timings["arrival"])
         attrs = dict(span_attrs)
-        attrs.update({
-            "gen_ai.usage.input_tokens": prompt_tokens,
-            "gen_ai.usage.output_tokens": last.num_output_tokens,
-            "gen_ai.response.finish_reasons": [last.finish_reason or ""],
-            "router.spec.draft_tokens": last.num_draft_tokens,
-            "router.spec.accepted_tokens": last.num_accepted_tokens,
-            "router.cached_tokens": last.num_cached_tokens,
-        })
+        attrs.update(
+            {
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "gen_ai.usage.output_tokens": last.num_output_tokens,
+                "gen_ai.response.finish_reasons": [last.finish_reason or ""],
+                "router.spec.draft_tokens": last.num_draft_tokens,
+                "router.spec.accepted_tokens": last.num_accepted_tokens,
+                "router.cached_tokens": last.num_cached_tokens,
+            }
+        )
         if self.telemetry.record_content:
             attrs["gen_ai.completion"] = text
         parent = gen.ctx.span if gen.ctx is not None else None
         if parent is not None:
             parent.set_attributes(attrs)
         self.telemetry.phase_spans(last.timings, attrs, parent=parent)
-        return usage_body(prompt_tokens, last.num_output_tokens, last.num_cached_tokens, last.num_draft_tokens,
-                          last.num_accepted_tokens)
+        return usage_body(
+            prompt_tokens,
+            last.num_output_tokens,
+            last.num_cached_tokens,
+            last.num_draft_tokens,
+            last.num_accepted_tokens,
+        )
 
-    async def _collect(self, gen: _Gen, d: Decision, source: AsyncIterator[StepOutput], span_attrs: dict[str, Any],
-                       prompt_hint: int, ctx: CallContext) -> dict[str, Any]:
+    async def _collect(
+        self,
+        gen: _Gen,
+        d: Decision,
+        source: AsyncIterator[StepOutput],
+        span_attrs: dict[str, Any],
+        prompt_hint: int,
+        ctx: CallContext,
+    ) -> dict[str, Any]:
         self._enter()
         try:
             parts: list[str] = []
@@ -373,10 +450,14 @@ class RouterService:
             text = "".join(parts)
             if out.finish_reason == "error":
                 self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "error").inc()
-                raise RouterError(f"Generation failed: {out.error or 'internal error'}", code="generation_error")
+                raise RouterError(
+                    f"Generation failed: {out.error or 'internal error'}", code="generation_error"
+                )
             if out.finish_reason == "abort":
                 self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "cancelled").inc()
-                raise UnavailableError("Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S)
+                raise UnavailableError(
+                    "Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S
+                )
             usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
             body = _body(gen, d.tier, text, out.finish_reason, usage)
             if self.cache is not None and not ctx.no_cache and out.finish_reason == "stop":
@@ -386,8 +467,15 @@ class RouterService:
             await _aclose(source)
             self._leave()
 
-    async def _sse(self, gen: _Gen, d: Decision, source: AsyncIterator[StepOutput], span_attrs: dict[str, Any],
-                   prompt_hint: int, ctx: CallContext) -> AsyncIterator[bytes]:
+    async def _sse(
+        self,
+        gen: _Gen,
+        d: Decision,
+        source: AsyncIterator[StepOutput],
+        span_attrs: dict[str, Any],
+        prompt_hint: int,
+        ctx: CallContext,
+    ) -> AsyncIterator[bytes]:
         # Wait for the first token before the response starts, so a queue timeout is still a 503.
         self._enter()
         try:
@@ -398,19 +486,31 @@ class RouterService:
             raise
         return self._sse_body(gen, d, source, first, span_attrs, prompt_hint, ctx)
 
-    async def _sse_body(self, gen: _Gen, d: Decision, source: AsyncIterator[StepOutput], first: StepOutput,
-                        span_attrs: dict[str, Any], prompt_hint: int, ctx: CallContext) -> AsyncIterator[bytes]:
+    async def _sse_body(
+        self,
+        gen: _Gen,
+        d: Decision,
+        source: AsyncIterator[StepOutput],
+        first: StepOutput,
+        span_attrs: dict[str, Any],
+        prompt_hint: int,
+        ctx: CallContext,
+    ) -> AsyncIterator[bytes]:
         cid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
         created = now()
         texts: list[str] = []
         try:
             if gen.kind == "chat":
-                yield _sse_event(_chunk(gen, cid, created, d.tier, {"role": "assistant", "content": ""}, None))
+                yield _sse_event(
+                    _chunk(gen, cid, created, d.tier, {"role": "assistant", "content": ""}, None)
+                )
             out = first
             while True:
                 if out.finish_reason == "error":
                     self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "error").inc()
-                    err = RouterError(f"Generation failed: {out.error or 'internal error'}", code="generation_error")
+                    err = RouterError(
+                        f"Generation failed: {out.error or 'internal error'}", code="generation_error"
+                    )
                     yield _sse_event(err.to_body())
                     return
                 if out.text:
@@ -432,11 +532,21 @@ class RouterService:
             empty: Any = {} if gen.kind == "chat" else ""
             yield _sse_event(_chunk(gen, cid, created, d.tier, empty, out.finish_reason))
             if gen.include_usage:
-                yield _sse_event({"id": cid, "object": _obj(gen, True), "created": created, "model": d.tier,
-                                  "choices": [], "usage": usage})
+                yield _sse_event(
+                    {
+                        "id": cid,
+                        "object": _obj(gen, True),
+                        "created": created,
+                        "model": d.tier,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
             yield b"data: [DONE]\n\n"
             if self.cache is not None and not ctx.no_cache and out.finish_reason == "stop":
-                await self.cache.store(gen, ctx, self, _body(gen, d.tier, text, out.finish_reason, usage), d, usage)
+                await self.cache.store(
+                    gen, ctx, self, _body(gen, d.tier, text, out.finish_reason, usage), d, usage
+                )
         finally:
             await _aclose(source)  # client gone mid-stream: this aborts the engine request
             self._leave()
@@ -465,7 +575,7 @@ class RouterService:
 def _struct_to_dict(obj: Any) -> dict[str, Any]:
     import msgspec
 
-    return msgspec.to_builtins(obj)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(obj)
 
 
 async def _aclose(source: AsyncIterator[StepOutput]) -> None:
@@ -513,4 +623,11 @@ def _body(gen: _Gen, model: str, text: str, finish: str | None, usage: dict[str,
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         cid = completion_id("cmpl")
-    return {"id": cid, "object": _obj(gen, False), "created": now(), "model": model, "choices": [choice], "usage": usage}
+    return {
+        "id": cid,
+        "object": _obj(gen, False),
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }

@@ -49,7 +49,9 @@ class _EngineLoadCollector(Collector):
         self._loads = loads
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        running = GaugeMetricFamily("router_running_requests", "Sequences in the running batch", labels=["tier"])
+        running = GaugeMetricFamily(
+            "router_running_requests", "Sequences in the running batch", labels=["tier"]
+        )
         waiting = GaugeMetricFamily("router_waiting_requests", "Requests waiting for a slot", labels=["tier"])
         kv = GaugeMetricFamily("router_kv_cache_usage_ratio", "KV tokens in use / capacity", labels=["tier"])
         for tier, load in self._loads().items():
@@ -68,26 +70,79 @@ class Telemetry:
         self.record_content = record_content
         r = self.registry
         self.requests = Counter(
-            "router_requests", "Requests by tier, rule and outcome", ["endpoint", "tier", "rule", "outcome"], registry=r
+            "router_requests",
+            "Requests by tier, rule and outcome",
+            ["endpoint", "tier", "rule", "outcome"],
+            registry=r,
         )
-        self.e2e = Histogram("router_request_duration_seconds", "End-to-end latency", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("router_time_to_first_token_seconds", "Time to first token", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("router_inter_token_latency_seconds", "Mean inter-token latency per request", ["tier"], buckets=_ITL_BUCKETS, registry=r)
-        self.queue = Histogram("router_queue_time_seconds", "Wait for a batch slot", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "router_request_duration_seconds",
+            "End-to-end latency",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "router_time_to_first_token_seconds",
+            "Time to first token",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "router_inter_token_latency_seconds",
+            "Mean inter-token latency per request",
+            ["tier"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "router_queue_time_seconds",
+            "Wait for a batch slot",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("router_prompt_tokens", "Prompt tokens", ["tier"], registry=r)
         self.completion_tokens = Counter("router_completion_tokens", "Generated tokens", ["tier"], registry=r)
-        self.cached_tokens = Counter("router_prefix_cache_hit_tokens", "Prompt tokens served from the prefix KV cache", ["tier"], registry=r)
-        self.spec_draft = Counter("router_spec_decode_draft_tokens", "Speculative tokens drafted", ["tier"], registry=r)
-        self.spec_accepted = Counter("router_spec_decode_accepted_tokens", "Speculative tokens accepted", ["tier"], registry=r)
-        self.spec_steps = Counter("router_spec_decode_steps", "Speculative decode steps", ["tier"], registry=r)
+        self.cached_tokens = Counter(
+            "router_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix KV cache",
+            ["tier"],
+            registry=r,
+        )
+        self.spec_draft = Counter(
+            "router_spec_decode_draft_tokens", "Speculative tokens drafted", ["tier"], registry=r
+        )
+        self.spec_accepted = Counter(
+            "router_spec_decode_accepted_tokens", "Speculative tokens accepted", ["tier"], registry=r
+        )
+        self.spec_steps = Counter(
+            "router_spec_decode_steps", "Speculative decode steps", ["tier"], registry=r
+        )
         self.engine_steps = Counter("router_engine_steps", "Engine steps", ["tier", "kind"], registry=r)
-        self.engine_step_time = Histogram("router_engine_step_seconds", "Engine step time", ["tier", "kind"], buckets=_ITL_BUCKETS, registry=r)
-        self.classifier_latency = Histogram("router_classifier_latency_seconds", "Complexity scoring latency", buckets=_FAST_BUCKETS, registry=r)
-        self.route_decisions = Counter("router_route_decisions", "Routing decisions", ["tier", "rule"], registry=r)
+        self.engine_step_time = Histogram(
+            "router_engine_step_seconds",
+            "Engine step time",
+            ["tier", "kind"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.classifier_latency = Histogram(
+            "router_classifier_latency_seconds",
+            "Complexity scoring latency",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            "router_route_decisions", "Routing decisions", ["tier", "rule"], registry=r
+        )
         self.cache_hits = Counter("router_cache_hits", "Response cache hits", ["kind"], registry=r)
         self.cache_misses = Counter("router_cache_misses", "Response cache misses", registry=r)
         self.policy_reloads = Counter("router_policy_reloads", "Policy reloads applied", registry=r)
-        self.policy_reload_failures = Counter("router_policy_reload_failures", "Policy reloads rejected", registry=r)
+        self.policy_reload_failures = Counter(
+            "router_policy_reload_failures", "Policy reloads rejected", registry=r
+        )
         self.ready = Gauge("router_ready", "1 when every tier is loaded and warmed up", registry=r)
         self._tracer_provider, self.tracer = _make_tracer(service_name)
         self._propagator = TraceContextTextMapPropagator()
@@ -109,7 +164,9 @@ class Telemetry:
         pass  # per-request figures are recorded by the service, which also sees remote tiers
 
     # -- per request -------------------------------------------------------------------------------
-    def record_generation(self, tier: str, timings: Mapping[str, float], prompt: int, completion: int, cached: int) -> None:
+    def record_generation(
+        self, tier: str, timings: Mapping[str, float], prompt: int, completion: int, cached: int
+    ) -> None:
         self.prompt_tokens.labels(tier).inc(prompt)
         self.completion_tokens.labels(tier).inc(completion)
         if cached:
@@ -130,7 +187,9 @@ class Telemetry:
         return self._tracer_provider is not None
 
     @contextmanager
-    def span(self, name: str, *, parent: Span | None = None, attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
+    def span(
+        self, name: str, *, parent: Span | None = None, attributes: Mapping[str, Any] | None = None
+    ) -> Iterator[Span]:
         """A child span of ``parent`` (explicit: streamed responses outlive the handler's context)."""
         if not self.tracing_enabled or parent is None:
             yield NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
@@ -144,14 +203,18 @@ class Telemetry:
         finally:
             span.end()
 
-    def server_span(self, name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]) -> Span | None:
+    def server_span(
+        self, name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]
+    ) -> Span | None:
         """The request's root span, continuing the caller's W3C ``traceparent`` when present."""
         if not self.tracing_enabled:
             return None
         ctx = self._propagator.extract(carrier=dict(headers))
         return self.tracer.start_span(name, context=ctx, kind=SpanKind.SERVER, attributes=attributes)
 
-    def phase_spans(self, timings: Mapping[str, float], attributes: Mapping[str, Any], parent: Span | None) -> None:
+    def phase_spans(
+        self, timings: Mapping[str, float], attributes: Mapping[str, Any], parent: Span | None
+    ) -> None:
         """queue / prefill / decode as child spans of ``parent``, from engine timestamps."""
         if not self.tracing_enabled or parent is None or "arrival" not in timings:
             return
@@ -165,7 +228,10 @@ class Telemetry:
             if start is None or end is None:
                 continue
             span = self.tracer.start_span(
-                name, context=parent_ctx, start_time=mono_to_ns(start), attributes=attributes if name == "decode" else None
+                name,
+                context=parent_ctx,
+                start_time=mono_to_ns(start),
+                attributes=attributes if name == "decode" else None,
             )
             span.end(end_time=mono_to_ns(end))
 
@@ -184,7 +250,9 @@ class Telemetry:
 
 def _make_tracer(service_name: str) -> tuple[Any, trace.Tracer]:
     disabled = os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
     if disabled or not endpoint:
         return None, trace.NoOpTracer()
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -192,7 +260,9 @@ def _make_tracer(service_name: str) -> tuple[Any, trace.Tracer]:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
     )
     exporter: Any
     if protocol == "grpc":

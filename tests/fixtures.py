@@ -23,7 +23,9 @@ CORPUS = [
 ]
 
 
-def build_tiny_model(out: Path, *, seed: int = 0, vocab_size: int = 384, layers: int = 2, hidden: int = 64) -> Path:
+def build_tiny_model(
+    out: Path, *, seed: int = 0, vocab_size: int = 384, layers: int = 2, hidden: int = 64
+) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -40,7 +42,11 @@ def build_tiny_model(out: Path, *, seed: int = 0, vocab_size: int = 384, layers:
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)

@@ -31,7 +31,9 @@ T = TypeVar("T")
 class DeviceWorker:
     def __init__(self, name: str = "device") -> None:
         self.engines: list[Engine] = []
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)

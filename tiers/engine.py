@@ -13,6 +13,7 @@ forward, and ``accept_draft`` decides per sequence. k comes from ``SpecControlle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import time
@@ -81,10 +82,8 @@ class RequestHandle:
         self._queue.put_nowait(out)
 
     def _push_threadsafe(self, out: StepOutput) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             self._loop.call_soon_threadsafe(self._push, out)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
     def abort(self) -> None:
         if not self.finished:
@@ -181,7 +180,8 @@ class Engine:
         ``ValueError`` when the prompt cannot fit the context."""
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens; this tier's context is {self.config.max_model_len}"
+                f"prompt is {len(prompt_token_ids)} tokens; "
+                f"this tier's context is {self.config.max_model_len}"
             )
         if self.load().is_full:
             raise EngineFullError(f"tier '{self.name}' queue is full")
@@ -299,7 +299,11 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             completes = start + n == seq.num_tokens
-            rows.append(RowInput(self._slot(seq), start, seq.token_ids[start : start + n], "last" if completes else "none"))
+            rows.append(
+                RowInput(
+                    self._slot(seq), start, seq.token_ids[start : start + n], "last" if completes else "none"
+                )
+            )
         logits = self.runner.forward(rows)
         if self.draft is not None:
             # The draft prefills the same chunk into its own pool, so speculation can start at once.
@@ -323,7 +327,10 @@ class Engine:
     # -- plain decode ----------------------------------------------------------------------------
     def _decode(self, batch: ScheduledBatch) -> None:
         started = time.perf_counter()
-        rows = [RowInput(self._slot(s), s.num_computed_tokens, s.token_ids[s.num_computed_tokens :]) for s in batch.seqs]
+        rows = [
+            RowInput(self._slot(s), s.num_computed_tokens, s.token_ids[s.num_computed_tokens :])
+            for s in batch.seqs
+        ]
         logits = self.runner.forward(rows)
         self.spec.record_target(batch.num_seqs, 1, time.perf_counter() - started)
         for seq, lg in zip(batch.seqs, logits, strict=True):
@@ -380,7 +387,11 @@ class Engine:
                 assert lg is not None
                 starts[i] += len(feed[i])
                 probs = probs_from_logits(lg, seqs[i].params)  # [1, V]
-                tok = int(probs[0].argmax()) if seqs[i].params.is_greedy else int(sample_rows(probs, self._generator(seqs[i]))[0])
+                tok = (
+                    int(probs[0].argmax())
+                    if seqs[i].params.is_greedy
+                    else int(sample_rows(probs, self._generator(seqs[i]))[0])
+                )
                 drafts[i].append(tok)
                 draft_probs[i].append(probs[0])
                 feed[i] = [tok]
@@ -389,7 +400,9 @@ class Engine:
         # 2. Verify: one target forward over [last token, d1..dk] for every row.
         started = time.perf_counter()
         rows = [
-            RowInput(self._slot(s), s.num_computed_tokens, s.token_ids[s.num_computed_tokens :] + drafts[i], "all")
+            RowInput(
+                self._slot(s), s.num_computed_tokens, s.token_ids[s.num_computed_tokens :] + drafts[i], "all"
+            )
             for i, s in enumerate(seqs)
         ]
         logits = self.runner.forward(rows)
@@ -447,7 +460,7 @@ class Engine:
         for tok in new_tokens:
             seq.token_ids.append(tok)
             tracked.pending_tokens.append(tok)
-            if not params.ignore_eos and tok in self.eos_token_ids or tok in params.stop_token_ids:
+            if (not params.ignore_eos and tok in self.eos_token_ids) or tok in params.stop_token_ids:
                 finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
                 break
             tracked.detok.add(tok)
@@ -486,7 +499,9 @@ class Engine:
             out.timings = _timings(seq)
         tracked.handle._push_threadsafe(out)
 
-    def _finish(self, tracked: _Tracked, status: SequenceStatus, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, tracked: _Tracked, status: SequenceStatus, reason: str, error: str | None = None
+    ) -> None:
         seq = tracked.seq
         self.scheduler.finish(seq, status, reason)
         seq.error = error

@@ -121,7 +121,9 @@ def _embedded_gguf(name: str) -> Path:
         )
     path = Path(spec.origin).parent / entry.filename
     if not path.is_file():
-        raise ModelLoadError(f"{path} is missing from the installed {entry.package} package. Fix: {entry.install_hint}")
+        raise ModelLoadError(
+            f"{path} is missing from the installed {entry.package} package. Fix: {entry.install_hint}"
+        )
     return path
 
 
@@ -156,7 +158,9 @@ def materialize_embedded(name: str) -> Path:
         try:
             # transformers prints a progress bar while it dequantizes the GGUF tensors.
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
             config: dict[str, Any] = model.config.to_dict()
             config.pop("quantization_config", None)  # the weights we write are plain fp32
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -217,14 +221,19 @@ def load_model(
         raise ModelLoadError(f"cannot load model '{model}': {exc}") from exc
     hf_model.eval()
     hf_model.requires_grad_(False)
-    hf_model.to(dev)
+    hf_model.to(dev)  # type: ignore[arg-type]
     if quantization != "none":
         quantize_model(hf_model, quantization)
-        hf_model.to(torch_dtype)
+        hf_model.to(torch_dtype)  # type: ignore[arg-type]
     elif dev.type == "cpu" and torch_dtype == torch.float32:
         use_onednn_linears(hf_model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(
-        model=hf_model, tokenizer=tokenizer, device=dev, dtype=torch_dtype, quantization=quantization, source=model
+        model=hf_model,
+        tokenizer=tokenizer,
+        device=dev,
+        dtype=torch_dtype,
+        quantization=quantization,
+        source=model,
     )

@@ -41,7 +41,9 @@ class RowInput:
 class _StepCache:
     """Duck-typed HF cache for one forward: writes new K/V into the slots, returns the batch's view."""
 
-    def __init__(self, runner: ModelRunner, slots: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, slots: torch.Tensor, positions: torch.Tensor, kv_len: int
+    ) -> None:
         self.runner = runner
         self.slots_col = slots[:, None]  # [B, 1]
         self.positions = positions  # [B, T]
@@ -170,7 +172,10 @@ class ModelRunner:
     def read_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """KV of positions ``[start, end)``: ``[layers, 2, kv_heads, end - start, head_dim]`` (a copy)."""
         return torch.stack(
-            [torch.stack([self.k[i][slot, :, start:end], self.v[i][slot, :, start:end]]) for i in range(self.num_layers)]
+            [
+                torch.stack([self.k[i][slot, :, start:end], self.v[i][slot, :, start:end]])
+                for i in range(self.num_layers)
+            ]
         ).clone()
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""What an engine hands back per step, and the text side of it: incremental detokenization and stop strings."""
+"""What an engine hands back per step, and its text side: incremental detokenization and stop strings."""
 
 from __future__ import annotations
 

@@ -12,18 +12,29 @@ only where bandwidth is not the limit.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-__all__ = ["Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "OneDnnLinear", "QuantMethod", "quantize_model", "use_onednn_linears"]
+__all__ = [
+    "Int4WeightOnlyLinear",
+    "Int8WeightOnlyLinear",
+    "OneDnnLinear",
+    "QuantMethod",
+    "quantize_model",
+    "use_onednn_linears",
+]
 
 QuantMethod = Literal["none", "int8", "int4"]
 
 
 class Int8WeightOnlyLinear(nn.Module):
     """Symmetric per-output-channel int8 weights; ``y = (x @ q.T) * scale``."""
+
+    weight_q: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -54,6 +65,10 @@ class Int4WeightOnlyLinear(nn.Module):
     Dequantized weight: ``w = (q - 8) * scale + zero`` with q in [0, 15] and
     ``zero = min + 8 * scale`` per group (the layout the packed kernels expect).
     """
+
+    weight_q: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
         super().__init__()
@@ -125,7 +140,8 @@ class OneDnnLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def _untie_head(model: nn.Module) -> None:
+def _untie_head(model: Any) -> None:
+    """Give the output head its own weight, so it can be rewritten without touching the embedding."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and head.weight is getattr(model.get_input_embeddings(), "weight", None):
         untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)

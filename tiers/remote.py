@@ -64,7 +64,9 @@ class RemoteTier:
         self.in_flight = 0
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)), headers=headers, transport=transport
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            headers=headers,
+            transport=transport,
         )
 
     def load(self) -> RemoteLoad:
@@ -94,7 +96,9 @@ class RemoteTier:
                         raise _Retry(f"upstream answered {resp.status_code}")
                     if resp.status_code >= 400:
                         text = (await resp.aread()).decode(errors="replace")[:500]
-                        raise RemoteError(f"tier '{self.name}' upstream error {resp.status_code}: {text}", resp.status_code)
+                        raise RemoteError(
+                            f"tier '{self.name}' upstream error {resp.status_code}: {text}", resp.status_code
+                        )
                     async for out in self._parse(resp, kind):
                         yield out
                     return

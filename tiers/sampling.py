@@ -16,7 +16,9 @@ from tiers.sequence import SamplingParams
 __all__ = ["apply_penalties", "probs_from_logits", "sample_rows"]
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]
+) -> torch.Tensor:
     """``logits: [n, V]`` for consecutive positions of one sequence; returns a penalized copy.
 
     OpenAI presence/frequency penalties count *generated* tokens; the repetition penalty (CTRL,
@@ -27,13 +29,17 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     logits = logits.clone()
     vocab = logits.shape[-1]
     if params.presence_penalty or params.frequency_penalty:
-        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab].to(
+            logits.dtype
+        )
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(vocab, dtype=torch.bool)
         ids = torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long)
         seen[ids[ids < vocab]] = True
-        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        penalized = torch.where(
+            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
+        )
         logits = torch.where(seen, penalized, logits)
     return logits
 

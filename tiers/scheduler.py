@@ -72,7 +72,8 @@ class SlotTable:
     def free(self, seq: Sequence) -> SlotMove | None:
         """Release ``seq``'s slot; returns the move when the last slot's owner moved into it."""
         slot = seq.slot
-        assert slot is not None and self.owners[slot] is seq
+        assert slot is not None
+        assert self.owners[slot] is seq
         seq.slot = None
         last = self.owners.pop()
         if last is seq:
@@ -141,7 +142,9 @@ class Scheduler:
         if prefilling and (not decoding or self._last_kind == "decode"):
             batch = self._prefill_batch(prefilling)
         elif decoding:
-            batch = ScheduledBatch("decode", decoding, [s.num_tokens - s.num_computed_tokens for s in decoding])
+            batch = ScheduledBatch(
+                "decode", decoding, [s.num_tokens - s.num_computed_tokens for s in decoding]
+            )
         else:
             batch = None
         if batch is None:

@@ -68,8 +68,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("temperature", math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
+            (
+                "temperature",
+                math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
+                "must be in [0, 2]",
+            ),
             ("top_p", math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
             (

@@ -8,6 +8,7 @@ argmax agrees".
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -84,7 +85,7 @@ class SpecController:
             return None
         if tokens <= known[0][0]:
             return known[0][1]
-        for (t0, c0), (t1, c1) in zip(known, known[1:], strict=False):
+        for (t0, c0), (t1, c1) in itertools.pairwise(known):
             if t0 <= tokens <= t1:
                 return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
         (t0, c0), (t1, c1) = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])

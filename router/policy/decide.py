@@ -61,7 +61,10 @@ def _matches(w: Condition, req: RouteRequest, score: ScoreLike) -> bool:
         return False
     if w.predicted is not None and score.tier not in w.predicted:
         return False
-    if w.confidence_below is not None and not max(score.probabilities.values(), default=1.0) < w.confidence_below:
+    if (
+        w.confidence_below is not None
+        and not max(score.probabilities.values(), default=1.0) < w.confidence_below
+    ):
         return False
     if w.prompt_tokens_above is not None and not req.prompt_tokens > w.prompt_tokens_above:
         return False
@@ -113,7 +116,12 @@ def decide(
                 used_score = r.when is not None and r.when.uses_score
                 break
         else:  # unreachable with a validated policy (its last rule has no 'when')
-            tier, rule, reason, used_score = policy.tier_names[-1], "implicit-default", "no rule matched", False
+            tier, rule, reason, used_score = (
+                policy.tier_names[-1],
+                "implicit-default",
+                "no rule matched",
+                False,
+            )
         threshold = policy.routing.escalation.confidence_below
         confidence = max(score.probabilities.values(), default=1.0)
         if used_score and threshold is not None and confidence < threshold:
@@ -131,11 +139,18 @@ def decide(
         if nxt is not None:
             nxt, _ = _cap(policy, nxt, request.tenant)
         if nxt is None or nxt in seen:
-            return Decision(tier, rule, reason + f"; '{tier}' is full and has no free fallback", score.value,
-                            escalated, capped, fallback_from, rejected=True)
+            return Decision(
+                tier,
+                rule,
+                reason + f"; '{tier}' is full and has no free fallback",
+                score.value,
+                escalated,
+                capped,
+                fallback_from,
+                rejected=True,
+            )
         fallback_from = fallback_from or tier
         reason += f"; '{tier}' full, fell back to '{nxt}'"
         tier = nxt
         seen.add(tier)
     return Decision(tier, rule, reason, score.value, escalated, capped, fallback_from)
-

@@ -132,15 +132,13 @@ def _convert(value: Any, tp: Any, path: Path_, ctx: _Ctx) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                ctx.error(path, "must be a finite number")
-                return _MISSING
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            ctx.error(path, "must be a finite number")
+            return _MISSING
+        return float(value)
+    elif tp is str and isinstance(value, str):
+        return value
     ctx.error(path, f"expected {_type_name(tp)}, got {_describe(value)}")
     return _MISSING
 
@@ -193,7 +191,9 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
     tiers = policy.tiers
     names = list(tiers)
     if policy.version not in SUPPORTED_VERSIONS:
-        ctx.error(("version",), f"unsupported version {policy.version}; supported: {list(SUPPORTED_VERSIONS)}")
+        ctx.error(
+            ("version",), f"unsupported version {policy.version}; supported: {list(SUPPORTED_VERSIONS)}"
+        )
     if not tiers:
         ctx.error(("tiers",), "at least one tier is required")
     for name, tier in tiers.items():
@@ -224,11 +224,17 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             ctx.error((*p, "defaults", "top_p"), "must be in (0, 1]")
         if tier.draft is not None:
             if tier.draft not in tiers:
-                ctx.error((*p, "draft"), f"names tier '{tier.draft}', which does not exist; tiers: {', '.join(names)}")
+                ctx.error(
+                    (*p, "draft"),
+                    f"names tier '{tier.draft}', which does not exist; tiers: {', '.join(names)}",
+                )
             elif tier.draft == name:
                 ctx.error((*p, "draft"), "a tier cannot draft for itself")
             elif tiers[tier.draft].is_remote:
-                ctx.error((*p, "draft"), f"tier '{tier.draft}' is remote and cannot be a draft (its KV is not in this process)")
+                ctx.error(
+                    (*p, "draft"),
+                    f"tier '{tier.draft}' is remote and cannot be a draft (its KV is not in this process)",
+                )
             if tier.is_remote:
                 ctx.error((*p, "draft"), "a remote tier cannot use a draft")
     # Draft cycles: follow each chain; revisiting a tier is a cycle.
@@ -293,9 +299,14 @@ def _check_rules(policy: Policy, ctx: _Ctx) -> None:
         if not rule.name.strip():
             ctx.error((*p, "name"), "must not be empty")
         if rule.tier not in policy.tiers:
-            ctx.error((*p, "tier"), f"names tier '{rule.tier}', which does not exist; tiers: {', '.join(policy.tiers)}")
+            ctx.error(
+                (*p, "tier"),
+                f"names tier '{rule.tier}', which does not exist; tiers: {', '.join(policy.tiers)}",
+            )
         if i > 0 and rules[i - 1].when is None:
-            ctx.error(p, f"unreachable: rules[{i - 1}] ('{rules[i - 1].name}') has no 'when' and matches everything")
+            ctx.error(
+                p, f"unreachable: rules[{i - 1}] ('{rules[i - 1].name}') has no 'when' and matches everything"
+            )
         w = rule.when
         if w is None:
             continue
@@ -312,10 +323,14 @@ def _check_rules(policy: Policy, ctx: _Ctx) -> None:
                 covered_below = (w.score_below, i)
         for j in range(i):
             if rules[j].when == w:
-                ctx.error(p, f"unreachable: rules[{j}] ('{rules[j].name}') has the same conditions and comes first")
+                ctx.error(
+                    p, f"unreachable: rules[{j}] ('{rules[j].name}') has the same conditions and comes first"
+                )
                 break
     if rules[-1].when is not None:
-        ctx.error(("routing", "rules", len(rules) - 1), "the last rule must have no 'when' (the default rule)")
+        ctx.error(
+            ("routing", "rules", len(rules) - 1), "the last rule must have no 'when' (the default rule)"
+        )
 
 
 def _check_condition(w: Condition, p: Path_, ctx: _Ctx) -> None:
@@ -330,7 +345,9 @@ def _check_condition(w: Condition, p: Path_, ctx: _Ctx) -> None:
         and w.prompt_tokens_at_most is not None
         and w.prompt_tokens_above >= w.prompt_tokens_at_most
     ):
-        ctx.error((*p, "prompt_tokens_above"), "must be below prompt_tokens_at_most, or the rule never matches")
+        ctx.error(
+            (*p, "prompt_tokens_above"), "must be below prompt_tokens_at_most, or the rule never matches"
+        )
     for i, cls in enumerate(w.predicted or []):
         if cls not in ("small", "medium", "large"):
             ctx.error((*p, "predicted", i), f"must be small, medium or large, got '{cls}'")
@@ -347,7 +364,9 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
-        raise PolicyError(source, [PolicyIssue("(syntax)", str(getattr(exc, "problem", exc)), line)]) from None
+        raise PolicyError(
+            source, [PolicyIssue("(syntax)", str(getattr(exc, "problem", exc)), line)]
+        ) from None
     lines: dict[Path_, int] = {}
     if node is not None:
         _node_lines(node, (), lines)
@@ -359,7 +378,7 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
     if policy is not _MISSING:
         _check(policy, ctx)
     if ctx.issues:
-        raise PolicyError(source, sorted(ctx.issues, key=lambda i: (i.line or 0)))
+        raise PolicyError(source, sorted(ctx.issues, key=lambda i: i.line or 0))
     assert isinstance(policy, Policy)
     policy.source = source
     policy.digest = hashlib.sha256(text.encode()).hexdigest()
@@ -384,4 +403,3 @@ def policy_to_dict(obj: Any) -> Any:
     if isinstance(obj, list):
         return [policy_to_dict(v) for v in obj]
     return obj
-

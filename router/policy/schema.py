@@ -102,7 +102,8 @@ class Condition:
     @property
     def uses_score(self) -> bool:
         return any(
-            v is not None for v in (self.score_below, self.score_at_least, self.predicted, self.confidence_below)
+            v is not None
+            for v in (self.score_below, self.score_at_least, self.predicted, self.confidence_below)
         )
 
     @property

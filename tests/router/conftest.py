@@ -50,7 +50,9 @@ def start_server(policy_path: Path, **app_kwargs: Any) -> tuple[Server, Any]:
 
     app = create_app(policy_path, **app_kwargs)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -27,7 +27,9 @@ def test_models_lists_auto_tiers_and_aliases(client: openai.OpenAI) -> None:
 
 
 def test_chat_completion_with_routing_headers(client: openai.OpenAI) -> None:
-    raw = client.chat.completions.with_raw_response.create(model="auto", messages=SIMPLE, max_tokens=8, temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="auto", messages=SIMPLE, max_tokens=8, temperature=0
+    )
     resp = raw.parse()
     assert raw.headers["x-router-tier"] in ("small", "medium", "large")
     assert 0.0 <= float(raw.headers["x-router-score"]) <= 1.0
@@ -41,7 +43,12 @@ def test_chat_completion_with_routing_headers(client: openai.OpenAI) -> None:
 
 def test_streaming_chunks_and_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="large", messages=SIMPLE, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+        model="large",
+        messages=SIMPLE,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -57,7 +64,11 @@ def test_streaming_chunks_and_usage(client: openai.OpenAI) -> None:
 def test_completions_endpoint(client: openai.OpenAI) -> None:
     resp = client.completions.create(model="small", prompt="The quick brown", max_tokens=5, temperature=0)
     assert resp.object == "text_completion" and resp.choices[0].finish_reason in ("stop", "length")
-    pieces = list(client.completions.create(model="small", prompt="The quick brown", max_tokens=5, temperature=0, stream=True))
+    pieces = list(
+        client.completions.create(
+            model="small", prompt="The quick brown", max_tokens=5, temperature=0, stream=True
+        )
+    )
     assert "".join(p.choices[0].text for p in pieces if p.choices) == resp.choices[0].text
 
 
@@ -69,8 +80,11 @@ def test_forced_tier_and_alias(client: openai.OpenAI) -> None:
 
 
 def test_header_rule(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-priority": "high"},
-                   json={"model": "auto", "messages": SIMPLE, "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"x-priority": "high"},
+        json={"model": "auto", "messages": SIMPLE, "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.headers["x-router-rule"] == "priority-header"
 
 
@@ -83,9 +97,18 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", 3.5), ("top_p", 0), ("presence_penalty", -9), ("frequency_penalty", 2.5), ("n", 2), ("max_tokens", 0)],
+    [
+        ("temperature", 3.5),
+        ("top_p", 0),
+        ("presence_penalty", -9),
+        ("frequency_penalty", 2.5),
+        ("n", 2),
+        ("max_tokens", 0),
+    ],
 )
-def test_out_of_range_params_are_400_naming_the_param(client: openai.OpenAI, field: str, value: float) -> None:
+def test_out_of_range_params_are_400_naming_the_param(
+    client: openai.OpenAI, field: str, value: float
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="auto", messages=SIMPLE, **{field: value})  # type: ignore[call-overload]
     body = info.value.body
@@ -99,11 +122,16 @@ def error_of(r: httpx.Response) -> dict[str, object]:
 
 
 def test_wrong_types_and_missing_fields(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "auto", "messages": SIMPLE, "temperature": "hot"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={"model": "auto", "messages": SIMPLE, "temperature": "hot"}
+    )
     assert r.status_code == 400 and error_of(r)["param"] == "temperature"
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": SIMPLE})
     assert r.status_code == 400 and error_of(r)["param"] == "model"
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "auto", "messages": [{"role": "wizard", "content": "x"}]})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "auto", "messages": [{"role": "wizard", "content": "x"}]},
+    )
     assert r.status_code == 400 and "role" in str(error_of(r)["param"])
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "auto", "messages": []})
     assert r.status_code == 400 and error_of(r)["param"] == "messages"
@@ -111,21 +139,30 @@ def test_wrong_types_and_missing_fields(server: Server) -> None:
 
 def test_non_finite_and_malformed_json(server: Server) -> None:
     headers = {"content-type": "application/json"}
-    for body in (b'{"model":"auto","messages":[{"role":"user","content":"x"}],"temperature":NaN}', b"{oops", b"", b"[1,2]"):
+    for body in (
+        b'{"model":"auto","messages":[{"role":"user","content":"x"}],"temperature":NaN}',
+        b"{oops",
+        b"",
+        b"[1,2]",
+    ):
         r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers)
         assert r.status_code == 400, body
         error_of(r)
 
 
 def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model="small", messages=SIMPLE, max_tokens=2,
-                                          extra_body={"frobnicate": True, "logit_bias": {}})
+    resp = client.chat.completions.create(
+        model="small", messages=SIMPLE, max_tokens=2, extra_body={"frobnicate": True, "logit_bias": {}}
+    )
     assert resp.choices
 
 
 def test_body_over_limit_is_413(server: Server) -> None:
     big = "x" * (1_048_576 + 10)
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "auto", "messages": [{"role": "user", "content": big}]})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "auto", "messages": [{"role": "user", "content": big}]},
+    )
     assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
 
 
@@ -135,17 +172,25 @@ def test_prompt_over_context_is_400_and_max_tokens_is_clamped(server: Server, cl
         client.completions.create(model="small", prompt=long, max_tokens=5)
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "context_length_exceeded"
     prompt = " ".join(["word"] * 30)
-    resp = client.completions.create(model="small", prompt=prompt, max_tokens=100000, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model="small", prompt=prompt, max_tokens=100000, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.usage is not None and resp.usage.prompt_tokens + resp.usage.completion_tokens == 256
     assert resp.choices[0].finish_reason == "length"
 
 
 def test_route_endpoint(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/route", json={"messages": [{"role": "user", "content": "Prove Fermat's little theorem."}]})
+    r = httpx.post(
+        server.url + "/v1/route",
+        json={"messages": [{"role": "user", "content": "Prove Fermat's little theorem."}]},
+    )
     assert r.status_code == 200
     info = r.json()
-    assert info["tier"] in ("small", "medium", "large") and set(info["probabilities"]) == {"small", "medium", "large"}
+    assert info["tier"] in ("small", "medium", "large") and set(info["probabilities"]) == {
+        "small",
+        "medium",
+        "large",
+    }
     assert r.headers["x-router-rule"] == info["rule"]
     assert httpx.post(server.url + "/v1/route", json={}).status_code == 400
 
@@ -162,8 +207,11 @@ def test_health_ready_metrics_openapi(server: Server) -> None:
 
 
 def test_streaming_disconnect_frees_the_slot(server: Server) -> None:
-    with httpx.stream("POST", server.url + "/v1/chat/completions",
-                      json={"model": "large", "messages": SIMPLE, "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json={"model": "large", "messages": SIMPLE, "max_tokens": 200, "stream": True, "ignore_eos": True},
+    ) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
@@ -174,13 +222,18 @@ def test_streaming_disconnect_frees_the_slot(server: Server) -> None:
 def test_non_streaming_disconnect_frees_the_slot(server: Server) -> None:
     async def go() -> None:
         async with httpx.AsyncClient() as c:
-            task = asyncio.create_task(c.post(server.url + "/v1/chat/completions", json={
-                "model": "large", "messages": SIMPLE, "max_tokens": 200, "ignore_eos": True}))
+            task = asyncio.create_task(
+                c.post(
+                    server.url + "/v1/chat/completions",
+                    json={"model": "large", "messages": SIMPLE, "max_tokens": 200, "ignore_eos": True},
+                )
+            )
             for _ in range(200):
                 if server.engine("large").load().num_running:
                     break
                 await asyncio.sleep(0.01)
             task.cancel()
+
     asyncio.run(go())
     server.wait_idle()
 
@@ -197,8 +250,11 @@ def test_generation_error_fails_only_that_request(server: Server, client: openai
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model="small", messages=SIMPLE, max_tokens=7)
         assert isinstance(info.value.body, dict) and info.value.body["code"] == "generation_error"
-        with httpx.stream("POST", server.url + "/v1/chat/completions",
-                          json={"model": "small", "messages": SIMPLE, "max_tokens": 7, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            json={"model": "small", "messages": SIMPLE, "max_tokens": 7, "stream": True},
+        ) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert "error" in events[-1]
         ok = client.chat.completions.create(model="small", messages=SIMPLE, max_tokens=3)
@@ -212,7 +268,9 @@ def test_concurrent_requests_are_answered_once_each(client: openai.OpenAI) -> No
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        r = client.chat.completions.create(model="medium", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=6, temperature=0)
+        r = client.chat.completions.create(
+            model="medium", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=6, temperature=0
+        )
         with lock:
             results.append(r.id)
 

@@ -24,7 +24,9 @@ AUTH = """
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     os.environ["TEST_ROUTER_KEYS"] = "sk-alpha:team-a, sk-beta"
     path = tmp_path_factory.mktemp("auth") / "policy.yaml"
-    text = tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace("service:\n", "service:\n" + AUTH.lstrip("\n"), 1)
+    text = tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace(
+        "service:\n", "service:\n" + AUTH.lstrip("\n"), 1
+    )
     text = text.replace("routing:\n", "tenants:\n  team-a: {allowed_tiers: [small]}\nrouting:\n", 1)
     path.write_text(text)
     srv, stop = start_server(path, watch_policy=False)
@@ -37,7 +39,12 @@ BODY = {"model": "large", "messages": [{"role": "user", "content": "hi"}], "max_
 
 
 def test_missing_and_wrong_keys_are_401_in_openai_shape(server: Server) -> None:
-    for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": "Basic sk-alpha"}, {"authorization": "Bearer"}):
+    for headers in (
+        {},
+        {"authorization": "Bearer sk-wrong"},
+        {"authorization": "Basic sk-alpha"},
+        {"authorization": "Bearer"},
+    ):
         r = httpx.post(server.url + "/v1/chat/completions", json=BODY, headers=headers)
         assert r.status_code == 401, headers
         assert r.json()["error"]["type"] == "authentication_error"
@@ -48,16 +55,23 @@ def test_missing_and_wrong_keys_are_401_in_openai_shape(server: Server) -> None:
 
 def test_valid_key_works_and_maps_its_tenant(server: Server) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-alpha", max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    raw = client.chat.completions.with_raw_response.create(
+        model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert raw.headers["x-router-tier"] == "small"  # team-a is capped at small
     beta = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-beta", max_retries=0)
-    raw = beta.chat.completions.with_raw_response.create(model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    raw = beta.chat.completions.with_raw_response.create(
+        model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert raw.headers["x-router-tier"] == "large"
 
 
 def test_key_tenant_wins_over_the_header(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", json=BODY,
-                   headers={"authorization": "Bearer sk-alpha", "x-tenant": "someone-else"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=BODY,
+        headers={"authorization": "Bearer sk-alpha", "x-tenant": "someone-else"},
+    )
     assert r.headers["x-router-tier"] == "small"
 
 
@@ -67,8 +81,16 @@ def test_health_and_metrics_stay_open(server: Server) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/V1/chat/completions", "/v1/chat/completions/", "//v1/chat/completions", "/v1/../v1/chat/completions",
-             "/v1/chat/completions%2F", "/healthz/../v1/chat/completions", "/v1/models"],
+    "path",
+    [
+        "/V1/chat/completions",
+        "/v1/chat/completions/",
+        "//v1/chat/completions",
+        "/v1/../v1/chat/completions",
+        "/v1/chat/completions%2F",
+        "/healthz/../v1/chat/completions",
+        "/v1/models",
+    ],
 )
 def test_path_tricks_do_not_bypass_auth(server: Server, path: str) -> None:
     r = httpx.post(server.url + path, json=BODY, headers={"host": "localhost"})

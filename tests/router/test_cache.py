@@ -48,8 +48,14 @@ STOPS = [" ", "e", "a", "o"]
 
 
 def chat(url: str, content: str, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:
-    payload = {"model": "small", "messages": [{"role": "user", "content": content}], "max_tokens": 40, "temperature": 0,
-               "stop": STOPS, **body}
+    payload = {
+        "model": "small",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stop": STOPS,
+        **body,
+    }
     return httpx.post(url + "/v1/chat/completions", json=payload, headers=headers or {}, timeout=30)
 
 
@@ -111,8 +117,15 @@ def test_errored_answers_are_not_cached(server: Server) -> None:
 
 
 def test_streaming_is_replayed_as_sse(server: Server) -> None:
-    body = {"model": "small", "messages": [{"role": "user", "content": "stream me"}], "max_tokens": 40, "temperature": 0,
-            "stop": STOPS, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "stream me"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stop": STOPS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     def run() -> tuple[list[str], dict[str, str]]:
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
@@ -144,8 +157,11 @@ def redis_url() -> Iterator[str]:
     if binary is None:
         pytest.fail("redis-server is not installed (make test installs it)")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], capture_output=True,
+        check=False, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_help_lists_the_commands() -> None:
@@ -38,7 +40,9 @@ def test_policy_check_exit_codes(tmp_path: Path) -> None:
     ok = cli("policy", "check", str(ROOT / "policies/default.yaml"))
     assert ok.returncode == 0 and "valid" in ok.stdout
     bad = tmp_path / "bad.yaml"
-    bad.write_text("version: 1\ntiers:\n  small: {model: m, draft: nope}\nrouting:\n  rules: [{name: d, tier: small}]\n")
+    bad.write_text(
+        "version: 1\ntiers:\n  small: {model: m, draft: nope}\nrouting:\n  rules: [{name: d, tier: small}]\n"
+    )
     res = cli("policy", "check", str(bad))
     assert res.returncode == 2
     assert f"{bad}:line 3: tiers.small.draft" in res.stderr
@@ -58,7 +62,10 @@ def test_route_prints_the_decision_as_json() -> None:
 
 def test_serve_with_a_broken_policy_exits_naming_file_and_field(tmp_path: Path) -> None:
     bad = tmp_path / "broken.yaml"
-    bad.write_text("version: 1\ntiers:\n  small: {model: m, max_num_seqs: lots}\nrouting:\n  rules: [{name: d, tier: small}]\n")
+    bad.write_text(
+        "version: 1\ntiers:\n  small: {model: m, max_num_seqs: lots}\n"
+        "routing:\n  rules: [{name: d, tier: small}]\n"
+    )
     res = cli("serve", "--policy", str(bad), "--port", str(free_port()), timeout=60)
     assert res.returncode != 0
     assert "broken.yaml" in res.stderr and "tiers.small.max_num_seqs" in res.stderr
@@ -71,8 +78,14 @@ def test_sigterm_drains_in_flight_work(tiny_model_dir: Path, tmp_path: Path) -> 
     policy.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False))
     port = free_port()
     env = dict(os.environ, TIERED_ROUTER_TORCH_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--policy", str(policy), "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--policy", str(policy), "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -88,10 +101,18 @@ def test_sigterm_drains_in_flight_work(tiny_model_dir: Path, tmp_path: Path) -> 
 
         def stream() -> None:
             lines = []
-            with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
-                "model": "large", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 230,
-                "ignore_eos": True, "stream": True,
-            }) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": "large",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 230,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as r:
                 for line in r.iter_lines():
                     if line:
                         lines.append(line)
@@ -107,7 +128,10 @@ def test_sigterm_drains_in_flight_work(tiny_model_dir: Path, tmp_path: Path) -> 
         time.sleep(0.05)
         ready = httpx.get(url + "/readyz", timeout=5)
         assert ready.status_code == 503 and ready.json()["reason"] == "draining"
-        refused = httpx.post(url + "/v1/chat/completions", json={"model": "small", "messages": [{"role": "user", "content": "x"}]})
+        refused = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "small", "messages": [{"role": "user", "content": "x"}]},
+        )
         assert refused.status_code == 503 and "retry-after" in refused.headers
         t.join(60)
         lines = got["lines"]

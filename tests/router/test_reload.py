@@ -70,8 +70,11 @@ def swap(root: Path, name: str, text: str) -> None:
 def test_valid_edit_applies_within_two_seconds(configmap: tuple[Server, Path, Path]) -> None:
     srv, root, model = configmap
     before = metric(srv.url, "router_policy_reloads_total")
-    text = tiny_policy_yaml(model, cache_enabled=False).replace("name: score-small", "name: renamed-small").replace(
-        "score_below: 0.35", "score_below: 0.6")
+    text = (
+        tiny_policy_yaml(model, cache_enabled=False)
+        .replace("name: score-small", "name: renamed-small")
+        .replace("score_below: 0.35", "score_below: 0.6")
+    )
     swap(root, "..2026_02", text)
     took = wait_for(lambda: route(srv.url)["rule"] == "renamed-small")
     assert took < 2.0
@@ -88,7 +91,9 @@ def test_broken_edit_keeps_the_old_policy(configmap: tuple[Server, Path, Path]) 
     assert httpx.get(srv.url + "/readyz").status_code == 200
 
 
-def test_engine_change_builds_in_the_background_and_loses_nothing(configmap: tuple[Server, Path, Path]) -> None:
+def test_engine_change_builds_in_the_background_and_loses_nothing(
+    configmap: tuple[Server, Path, Path],
+) -> None:
     srv, root, model = configmap
     old_engine = srv.engine("small")
     results: list[int] = []
@@ -97,8 +102,10 @@ def test_engine_change_builds_in_the_background_and_loses_nothing(configmap: tup
     def load() -> None:
         with httpx.Client(timeout=30) as c:
             while not stop.is_set():
-                r = c.post(srv.url + "/v1/chat/completions",
-                           json={"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
+                r = c.post(
+                    srv.url + "/v1/chat/completions",
+                    json={"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4},
+                )
                 results.append(r.status_code)
 
     threads = [threading.Thread(target=load) for _ in range(4)]
@@ -121,7 +128,9 @@ def test_plain_file_edit_is_seen(tiny_model_dir: Path, tmp_path: Path) -> None:
     path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False))
     srv, stop = start_server(path, reload_interval_s=0.2)
     try:
-        path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace("name: score-large", "name: edited"))
+        path.write_text(
+            tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace("name: score-large", "name: edited")
+        )
         # The routing of "hello there" depends on its score; the default rule name must have changed.
         wait_for(lambda: any(r.name == "edited" for r in srv.service.policy.routing.rules))
     finally:

@@ -24,12 +24,19 @@ def upstream(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def front(upstream: Server, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def front(
+    upstream: Server, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     dead = f"http://127.0.0.1:{free_port()}/v1"
     text = f"""
 version: 1
 tiers:
-  small: {{model: {tiny_model_dir}, quantization: int8, max_num_seqs: 4, max_model_len: 256, defaults: {{max_tokens: 8, temperature: 0}}}}
+  small:
+    model: {tiny_model_dir}
+    quantization: int8
+    max_num_seqs: 4
+    max_model_len: 256
+    defaults: {{max_tokens: 8, temperature: 0}}
   large: {{model: "{upstream.url}/v1", served_model_name: large, max_retries: 1, timeout_s: 30}}
   broken: {{model: "{dead}", max_retries: 1, timeout_s: 5}}
 routing:
@@ -62,12 +69,20 @@ def test_remote_tier_non_streaming(front: Server, upstream: Server) -> None:
 
 def test_remote_tier_streaming_passthrough(front: Server) -> None:
     client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0)
-    chunks = list(client.chat.completions.create(
-        model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="large",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    full = client.chat.completions.create(model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+    full = client.chat.completions.create(
+        model="large", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None
 
@@ -79,14 +94,24 @@ def test_remote_completions(front: Server) -> None:
 
 
 def test_unreachable_upstream_is_503_with_retry_after(front: Server) -> None:
-    r = httpx.post(front.url + "/v1/chat/completions", json={"model": "broken", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        front.url + "/v1/chat/completions",
+        json={"model": "broken", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 503 and "retry-after" in r.headers
     assert r.json()["error"]["code"] == "upstream_unavailable"
 
 
 def test_upstream_error_is_passed_as_an_openai_error(front: Server) -> None:
-    r = httpx.post(front.url + "/v1/chat/completions",
-                   json={"model": "large", "messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "max_tokens": 10**6})
+    r = httpx.post(
+        front.url + "/v1/chat/completions",
+        json={
+            "model": "large",
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 1.0,
+            "max_tokens": 10**6,
+        },
+    )
     assert r.status_code in (200, 400, 502)
     if r.status_code != 200:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}

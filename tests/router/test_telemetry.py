@@ -60,12 +60,16 @@ def attrs(span: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for a in span.attributes:
         v = a.value
-        out[a.key] = v.string_value or v.int_value or v.double_value or v.bool_value or list(v.array_value.values)
+        out[a.key] = (
+            v.string_value or v.int_value or v.double_value or v.bool_value or list(v.array_value.values)
+        )
     return out
 
 
 @pytest.fixture(scope="module")
-def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Receiver]]:
+def traced(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Receiver]]:
     receiver = Receiver()
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{receiver.port}"
     os.environ["OTEL_SERVICE_NAME"] = "router-under-test"
@@ -83,12 +87,21 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def test_span_tree_and_genai_attributes(traced: tuple[Server, Receiver]) -> None:
     srv, rx = traced
-    r = httpx.post(srv.url + "/v1/chat/completions", json={
-        "model": "auto", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 5, "temperature": 0})
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={
+            "model": "auto",
+            "messages": [{"role": "user", "content": "trace me"}],
+            "max_tokens": 5,
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200
     rx.wait(lambda: any(s.name == "decode" for s in rx.spans))
     root = next(s for s in rx.spans if s.name == "POST /v1/chat/completions")
-    children = {s.name: s for s in rx.spans if s.trace_id == root.trace_id and s.parent_span_id == root.span_id}
+    children = {
+        s.name: s for s in rx.spans if s.trace_id == root.trace_id and s.parent_span_id == root.span_id
+    }
     assert {"cache.lookup", "classify", "policy.decide", "queue", "prefill", "decode"} <= set(children)
     a = attrs(root)
     assert a["gen_ai.request.model"] == "auto"
@@ -109,8 +122,11 @@ def test_traceparent_is_honoured(traced: tuple[Server, Receiver]) -> None:
     srv, rx = traced
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     parent = "00f067aa0ba902b7"
-    r = httpx.post(srv.url + "/v1/chat/completions", headers={"traceparent": f"00-{trace_id}-{parent}-01"},
-                   json={"model": "small", "messages": [{"role": "user", "content": "propagate"}], "max_tokens": 3})
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        json={"model": "small", "messages": [{"role": "user", "content": "propagate"}], "max_tokens": 3},
+    )
     assert r.status_code == 200
     rx.wait(lambda: any(s.trace_id.hex() == trace_id for s in rx.spans))
     root = next(s for s in rx.spans if s.trace_id.hex() == trace_id and s.name.startswith("POST"))
@@ -119,7 +135,10 @@ def test_traceparent_is_honoured(traced: tuple[Server, Receiver]) -> None:
 
 def test_errors_mark_the_span(traced: tuple[Server, Receiver]) -> None:
     srv, rx = traced
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 404
     rx.wait(lambda: any(attrs(s).get("http.response.status_code") == 404 for s in rx.spans))
 
@@ -128,7 +147,9 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in family.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            key = s.name + (
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""
+            )
             out[key] = s.value
     return out
 
@@ -142,10 +163,18 @@ def test_metrics_families_move(traced: tuple[Server, Receiver]) -> None:
     srv, _ = traced
     srv.engine("large").spec.fixed_k = 2  # make sure speculative steps happen on this tiny model
     before = scrape(srv.url)
-    body = {"model": "large", "messages": [{"role": "user", "content": "metrics please"}], "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "large",
+        "messages": [{"role": "user", "content": "metrics please"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 200
-    assert httpx.post(srv.url + "/v1/chat/completions", json=body).headers["x-router-cache"] in ("miss", "hit")
+    assert httpx.post(srv.url + "/v1/chat/completions", json=body).headers["x-router-cache"] in (
+        "miss",
+        "hit",
+    )
     after = scrape(srv.url)
     srv.engine("large").spec.fixed_k = None
     for name, labels in [

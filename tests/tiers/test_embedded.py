@@ -34,7 +34,9 @@ def worker() -> Iterator[DeviceWorker]:
     w.stop()
 
 
-def build(worker: DeviceWorker, embedded_model_dir: Path, quantization: str, draft: str | None = None) -> Engine:
+def build(
+    worker: DeviceWorker, embedded_model_dir: Path, quantization: str, draft: str | None = None
+) -> Engine:
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
     from tiers.scheduler import SchedulerConfig
@@ -45,9 +47,13 @@ def build(worker: DeviceWorker, embedded_model_dir: Path, quantization: str, dra
         if draft is not None:
             d = load_model("embedded:smollm2-135m-instruct", quantization=draft)  # type: ignore[arg-type]
             draft_runner = ModelRunner(d, num_slots=16, max_model_len=512)
-        eng = Engine(f"real-{quantization}", ModelRunner(target, num_slots=16, max_model_len=512),
-                     SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256),
-                     draft_runner=draft_runner, speculative_tokens=4 if draft else 0)
+        eng = Engine(
+            f"real-{quantization}",
+            ModelRunner(target, num_slots=16, max_model_len=512),
+            SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256),
+            draft_runner=draft_runner,
+            speculative_tokens=4 if draft else 0,
+        )
         eng.warmup()
         return eng
 
@@ -62,8 +68,9 @@ def large(worker: DeviceWorker, embedded_model_dir: Path) -> Engine:
 
 
 def encode(engine: Engine, question: str) -> list[int]:
-    out = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                               tokenize=True)
+    out = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
@@ -104,7 +111,9 @@ async def test_batch_of_16_equals_alone_on_the_real_model(large: Engine) -> None
     assert [t[0] for t in together] == [a[0] for a in alone]
 
 
-async def test_drafting_is_lossless_on_the_real_model(worker: DeviceWorker, embedded_model_dir: Path, large: Engine) -> None:
+async def test_drafting_is_lossless_on_the_real_model(
+    worker: DeviceWorker, embedded_model_dir: Path, large: Engine
+) -> None:
     plain = build(worker, embedded_model_dir, "none")
     ids = [encode(large, q) for q in QUESTIONS]
     large.spec.fixed_k = 4

@@ -34,7 +34,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 380) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
 
 
-async def collect(engine: Engine, ids: list[int], params: SamplingParams) -> tuple[list[int], str, str | None, Any]:
+async def collect(
+    engine: Engine, ids: list[int], params: SamplingParams
+) -> tuple[list[int], str, str | None, Any]:
     tokens: list[int] = []
     text = ""
     last = None
@@ -114,7 +116,7 @@ async def test_stop_string_ends_generation_and_is_not_returned(engine: Engine) -
     _, full, _, _ = await collect(engine, ids, greedy(30))
     assert len(full) > 4
     stop = full[2:4]
-    tokens, text, reason, _ = await collect(
+    _tokens, text, reason, _ = await collect(
         engine, ids, SamplingParams(max_tokens=30, temperature=0, stop=(stop,), ignore_eos=True)
     )
     assert reason == "stop"
@@ -127,7 +129,10 @@ async def test_seeded_sampling_is_reproducible_in_any_batch(engine: Engine) -> N
     ids = prompts(1, seed=5)[0]
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     a = await collect(engine, ids, params)
-    others = [collect(engine, p, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)) for p in prompts(5, 6)]
+    others = [
+        collect(engine, p, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
+        for p in prompts(5, 6)
+    ]
     b, *_ = await asyncio.gather(collect(engine, ids, params), *others)
     assert a[0] == b[0]
 
@@ -192,11 +197,11 @@ async def test_prefix_cache_reuse_gives_identical_output(worker: DeviceWorker, t
     eng = make_engine(worker, tiny_model_dir, prefix_cache_tokens=1024, name="prefix")
     assert isinstance(eng, Engine)
     system = prompts(1, seed=9)[0] * 2
-    first = await collect(eng, system + [7, 8, 9], greedy(10))
-    second = await collect(eng, system + [7, 8, 10], greedy(10))
+    first = await collect(eng, [*system, 7, 8, 9], greedy(10))
+    second = await collect(eng, [*system, 7, 8, 10], greedy(10))
     cold_engine = make_engine(worker, tiny_model_dir, name="cold")
     assert isinstance(cold_engine, Engine)
-    cold = await collect(cold_engine, system + [7, 8, 10], greedy(10))
+    cold = await collect(cold_engine, [*system, 7, 8, 10], greedy(10))
     assert first[3].num_cached_tokens == 0
     assert second[3].num_cached_tokens >= len(system) // 4 * 4 - 4
     assert second[0] == cold[0]

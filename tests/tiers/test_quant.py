@@ -56,8 +56,15 @@ def test_onednn_linear_matches(linear: nn.Linear) -> None:
 def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg)
     emb = model.get_input_embeddings().weight.detach().clone()
     quantize_model(model, "int4")

@@ -10,7 +10,9 @@ from tiers.sequence import SamplingParams
 
 def test_frequency_and_presence_penalties_follow_openai() -> None:
     logits = torch.zeros(1, 5)
-    out = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [0], [1, 1, 3])
+    out = apply_penalties(
+        logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [0], [1, 1, 3]
+    )
     # token 1 seen twice: -(2*0.25 + 0.5); token 3 once: -(0.25 + 0.5); prompt token 0 untouched.
     assert torch.allclose(out[0], torch.tensor([0.0, -1.0, 0.0, -0.75, 0.0]))
 

@@ -11,7 +11,8 @@ from router.errors import ModelNotFoundError
 from router.policy.decide import RouteRequest, decide
 from router.policy.loader import parse_policy
 
-POLICY = parse_policy(textwrap.dedent("""
+POLICY = parse_policy(
+    textwrap.dedent("""
     version: 1
     tiers:
       small: {model: m}
@@ -48,14 +49,17 @@ POLICY = parse_policy(textwrap.dedent("""
           tier: large
       fallback: {small: medium, medium: large, large: null}
       escalation: {confidence_below: 0.5}
-"""))
+""")
+)
 
 
 @dataclass
 class Score:
     value: float
     tier: str = "small"
-    probabilities: dict[str, float] = field(default_factory=lambda: {"small": 0.9, "medium": 0.05, "large": 0.05})
+    probabilities: dict[str, float] = field(
+        default_factory=lambda: {"small": 0.9, "medium": 0.05, "large": 0.05}
+    )
 
 
 def d(score: float = 0.1, **kw: object):  # type: ignore[no-untyped-def]
@@ -67,8 +71,14 @@ def d(score: float = 0.1, **kw: object):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("score", "tier", "rule"),
-    [(0.0, "small", "score-small"), (0.29, "small", "score-small"), (0.3, "medium", "score-medium"),
-     (0.69, "medium", "score-medium"), (0.7, "large", "default"), (1.0, "large", "default")],
+    [
+        (0.0, "small", "score-small"),
+        (0.29, "small", "score-small"),
+        (0.3, "medium", "score-medium"),
+        (0.69, "medium", "score-medium"),
+        (0.7, "large", "default"),
+        (1.0, "large", "default"),
+    ],
 )
 def test_score_thresholds(score: float, tier: str, rule: str) -> None:
     r = d(score)

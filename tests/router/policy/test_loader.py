@@ -52,7 +52,11 @@ def test_base_is_valid_and_typed() -> None:
     [
         (("quantization: int4}", "quantization: int4, colour: red}"), "tiers.small.colour", "unknown key"),
         (("quantization: int4}", "quantization: int3}"), "tiers.small.quantization", "must be one of"),
-        (("quantization: int4}", "quantization: int4, max_num_seqs: many}"), "tiers.small.max_num_seqs", "expected int"),
+        (
+            ("quantization: int4}", "quantization: int4, max_num_seqs: many}"),
+            "tiers.small.max_num_seqs",
+            "expected int",
+        ),
         (("quantization: int4}", "quantization: int4, max_num_seqs: 0}"), "tiers.small.max_num_seqs", ">= 1"),
         (("draft: small}", "draft: tiny}"), "tiers.medium.draft", "does not exist"),
         (("draft: small}", "draft: medium}"), "tiers.medium.draft", "itself"),
@@ -99,8 +103,10 @@ def test_missing_required_fields_and_line_numbers() -> None:
 
 
 def test_all_errors_are_reported_together() -> None:
-    text = BASE.replace("draft: small}", "draft: tiny}").replace("tier: medium}", "tier: huge}").replace(
-        "version: 1", "version: 3"
+    text = (
+        BASE.replace("draft: small}", "draft: tiny}")
+        .replace("tier: medium}", "tier: huge}")
+        .replace("version: 1", "version: 3")
     )
     assert len(issues(text)) >= 3
 
