@@ -242,6 +242,8 @@ def _validation_param(exc: ValidationException) -> tuple[str | None, str]:
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     if isinstance(exc, RouterError):
         err = exc
+    elif isinstance(exc, RecursionError):  # msgspec refuses JSON nested deeper than it can decode
+        err = BadRequestError("Invalid JSON body: nested too deeply.", code="invalid_json")
     elif isinstance(exc, ValidationException):
         param, message = _validation_param(exc)
         if "malformed" in message.lower() or ("json" in str(exc.detail).lower() and param is None):
