@@ -174,7 +174,15 @@ class ComplexityClassifier:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         chosen = list(providers) if providers is not None else _default_providers()
-        session = ort.InferenceSession(str(model_path), sess_options=options, providers=chosen)
+        try:
+            session = ort.InferenceSession(str(model_path), sess_options=options, providers=chosen)
+        except Exception:
+            if providers is not None or chosen == ["CPUExecutionProvider"]:
+                raise
+            # A GPU whose CUDA/cuDNN libraries do not match the wheel: score on the CPU instead.
+            session = ort.InferenceSession(
+                str(model_path), sess_options=options, providers=["CPUExecutionProvider"]
+            )
         meta_path = model_path.with_name(METADATA_FILE)
         if meta_path.is_file():
             metadata = json.loads(meta_path.read_text(encoding="utf-8"))

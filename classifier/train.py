@@ -6,7 +6,7 @@ normalized text and its ask view; output ``probabilities`` [N, 3]) plus ``metada
 checks that onnxruntime reproduces scikit-learn's probabilities and reports metrics on the
 held-out split.
 
-Model selection (:mod:`classifier.select`, ``python -m classifier.select``) measures candidate
+Model selection (:mod:`classifier.selection`, ``python -m classifier.selection``) measures candidate
 configurations on a validation split carved from train.jsonl; classifier/README.md records it.
 Everything is deterministic given ``seed``: fixed, hash-based splits, deterministic solvers, and
 seeded cross-validation folds.
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from classifier.data import HELDOUT_PATH, LABELS, TRAIN_PATH, load_jsonl
-from classifier.evaluate import classification_metrics, evaluate
+from classifier.evaluate import evaluate
 from classifier.text import (
     ASK_TOKENS,
     COUNT_FEATURES,
@@ -51,7 +51,6 @@ __all__ = [
     "onnx_proba",
     "predict_proba",
     "train",
-    "validation_metrics",
 ]
 
 MODEL_VERSION = "1.0.0"
@@ -390,21 +389,3 @@ def train(
         json.dumps(metadata, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
     return metadata
-
-
-def validation_metrics(truth: Sequence[str], probs: np.ndarray) -> dict[str, Any]:
-    """Classification metrics plus log loss and expected calibration error (10 bins, top class)."""
-    predicted = [LABELS[i] for i in probs.argmax(axis=1)]
-    metrics = classification_metrics(truth, predicted)
-    idx = np.array([LABELS.index(t) for t in truth])
-    metrics["log_loss"] = float(-np.log(np.clip(probs[np.arange(len(idx)), idx], 1e-12, 1)).mean())
-    conf, hit = probs.max(axis=1), probs.argmax(axis=1) == idx
-    bins = np.minimum((conf * 10).astype(int), 9)
-    metrics["ece"] = float(
-        sum(
-            abs(hit[bins == b].mean() - conf[bins == b].mean()) * (bins == b).mean()
-            for b in range(10)
-            if (bins == b).any()
-        )
-    )
-    return metrics

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -294,6 +295,7 @@ def _middleware(app: Any) -> Any:
                 return
             if isinstance(tenant, str):
                 scope["state"]["tenant"] = tenant
+        send = _with_server_timing(send)
         span = (
             state.telemetry.server_span(
                 f"{scope.get('method', 'GET')} {path}",
@@ -327,6 +329,21 @@ def _middleware(app: Any) -> Any:
             span.end()
 
     return middleware
+
+
+def _with_server_timing(send: Any) -> Any:
+    """Add ``Server-Timing: app;dur=<ms>`` (time inside the app until the response starts), so
+    clients and benchmarks can tell routing overhead from network and queueing."""
+    started = time.perf_counter()
+
+    async def wrapper(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            dur = (time.perf_counter() - started) * 1000
+            timing = (b"server-timing", f"app;dur={dur:.3f}".encode())
+            message = dict(message, headers=[*message.get("headers", []), timing])
+        await send(message)
+
+    return wrapper
 
 
 async def _send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:

@@ -240,3 +240,23 @@ def test_messages_huge_turn_keeps_the_turn(shipped: ComplexityClassifier) -> Non
         [{"role": "assistant", "content": "ctx " * 1000}, {"role": "user", "content": huge}]
     )
     assert "ctx" not in text
+
+
+def test_cuda_failure_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from classifier import inference
+
+    real = ort.InferenceSession
+
+    def fussy(path: str, sess_options: object = None, providers: list[str] | None = None) -> object:
+        if providers and "CUDAExecutionProvider" in providers:
+            raise RuntimeError("libcublasLt.so: cannot open shared object file")
+        return real(path, sess_options=sess_options, providers=providers)
+
+    monkeypatch.setattr(
+        inference, "_default_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    monkeypatch.setattr(inference.ort, "InferenceSession", fussy)
+    clf = ComplexityClassifier.load()
+    assert clf.providers == ["CPUExecutionProvider"]
+    with pytest.raises(RuntimeError, match="libcublas"):
+        ComplexityClassifier.load(providers=["CUDAExecutionProvider"])

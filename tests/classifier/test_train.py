@@ -117,3 +117,13 @@ def test_retraining_reproduces_the_shipped_artifact(tmp_path: Path) -> None:
     shipped = ComplexityClassifier.load()
     rebuilt = ComplexityClassifier.load(tmp_path)
     np.testing.assert_allclose(rebuilt.predict_proba(prompts), shipped.predict_proba(prompts), atol=1e-6)
+
+
+def test_validation_split_is_carved_from_train_only() -> None:
+    from classifier.selection import validation_rows
+
+    fit_rows, val_rows = validation_rows()
+    fit_prompts, val_prompts = {r["prompt"] for r in fit_rows}, {r["prompt"] for r in val_rows}
+    assert not fit_prompts & val_prompts
+    assert len(val_prompts) == pytest.approx(0.2 * (len(fit_prompts) + len(val_prompts)), abs=10)
+    assert not (fit_prompts | val_prompts) & {r["prompt"] for r in load_jsonl(HELDOUT_PATH)}

@@ -1,6 +1,6 @@
 """Model selection: measure candidate configurations on a validation split carved from train.jsonl.
 
-``python -m classifier.select [--seed N] [--only NAME ...]`` prints one JSON line per candidate
+``python -m classifier.selection [--seed N] [--only NAME ...]`` prints one JSON line per candidate
 and a Markdown table (the one in classifier/README.md). The held-out split is never touched here.
 """
 
@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from classifier.data import TRAIN_PATH, load_jsonl, stable_split
+from classifier.data import LABELS, TRAIN_PATH, load_jsonl, stable_split
+from classifier.evaluate import classification_metrics
 
-__all__ = ["compare", "markdown_table", "measure_candidate", "validation_rows"]
+__all__ = ["compare", "markdown_table", "measure_candidate", "validation_metrics", "validation_rows"]
 
 # ~200 words with code, numbers and constraints: the latency probe of the acceptance targets.
 LATENCY_PROMPT = (
@@ -65,7 +66,7 @@ def measure_candidate(
     config: Any, fit_rows: Sequence[dict[str, Any]], val_rows: Sequence[dict[str, Any]], seed: int = 0
 ) -> dict[str, Any]:
     """Validation metrics, ONNX size and latency of one candidate configuration."""
-    from classifier.train import export_onnx, fit, predict_proba, validation_metrics
+    from classifier.train import export_onnx, fit, predict_proba
 
     start = time.perf_counter()
     pipeline = fit([r["prompt"] for r in fit_rows], [r["label"] for r in fit_rows], config, seed)
@@ -88,6 +89,24 @@ def measure_candidate(
         "n_fit": len(fit_rows),
         "n_val": len(val_rows),
     }
+
+
+def validation_metrics(truth: Sequence[str], probs: np.ndarray) -> dict[str, Any]:
+    """Classification metrics plus log loss and expected calibration error (10 bins, top class)."""
+    predicted = [LABELS[i] for i in probs.argmax(axis=1)]
+    metrics = classification_metrics(truth, predicted)
+    idx = np.array([LABELS.index(t) for t in truth])
+    metrics["log_loss"] = float(-np.log(np.clip(probs[np.arange(len(idx)), idx], 1e-12, 1)).mean())
+    conf, hit = probs.max(axis=1), probs.argmax(axis=1) == idx
+    bins = np.minimum((conf * 10).astype(int), 9)
+    metrics["ece"] = float(
+        sum(
+            abs(hit[bins == b].mean() - conf[bins == b].mean()) * (bins == b).mean()
+            for b in range(10)
+            if (bins == b).any()
+        )
+    )
+    return metrics
 
 
 def validation_rows(data_path: str | Path = TRAIN_PATH) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -128,7 +147,7 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from classifier.train import CANDIDATES
 
-    parser = argparse.ArgumentParser(prog="python -m classifier.select", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m classifier.selection", description=__doc__)
     parser.add_argument("--data", default=str(TRAIN_PATH))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
