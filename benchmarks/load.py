@@ -78,14 +78,21 @@ class Stats:
 async def one(c: httpx.AsyncClient, prompt: str, rng: random.Random, stats: Stats) -> None:
     stream = rng.random() < 0.5
     max_tokens = rng.choice([16, 32, 64])
-    body = {"model": "auto", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": rng.choice([0.0, 0.7]), "stream": stream}
+    body = {
+        "model": "auto",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": rng.choice([0.0, 0.7]),
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     started = time.perf_counter()
     try:
         if stream:
-            async with c.stream("POST", "/v1/chat/completions", json=body, headers={"cache-control": "no-cache"}) as r:
+            async with c.stream(
+                "POST", "/v1/chat/completions", json=body, headers={"cache-control": "no-cache"}
+            ) as r:
                 first = None
                 lines = []
                 async for line in r.aiter_lines():
@@ -176,8 +183,22 @@ def main() -> None:
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     env = dict(os.environ, OTEL_SDK_DISABLED="true")
-    server = subprocess.Popen([sys.executable, "-m", "router.cli", "--log-level", "warning", "serve", "--policy",
-                               args.policy, "--port", str(args.port)], cwd=ROOT, env=env)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "--log-level",
+            "warning",
+            "serve",
+            "--policy",
+            args.policy,
+            "--port",
+            str(args.port),
+        ],
+        cwd=ROOT,
+        env=env,
+    )
     pool = prompts()
     try:
         deadline = time.monotonic() + 600
@@ -196,8 +217,15 @@ def main() -> None:
         if args.overload:
             result = asyncio.run(run_level(url, 4 * capacity, args.seconds, pool, seed=7))
             time.sleep(2)
-            result.update({"capacity": capacity, "clients": 4 * capacity, "gauges_after": gauges(url),
-                           "rss_after_warmup_mb": warm_rss, "rss_after_mb": server_rss_mb(server.pid)})
+            result.update(
+                {
+                    "capacity": capacity,
+                    "clients": 4 * capacity,
+                    "gauges_after": gauges(url),
+                    "rss_after_warmup_mb": warm_rss,
+                    "rss_after_mb": server_rss_mb(server.pid),
+                }
+            )
             print(json.dumps(result, indent=2))
             write_json("overload", result)
         elif args.soak:
@@ -215,8 +243,14 @@ def main() -> None:
 
             result = asyncio.run(both())
             time.sleep(2)
-            result.update({"rss_after_warmup_mb": warm_rss, "rss_samples": samples, "gauges_after": gauges(url),
-                           "rss_growth_pct": 100 * (samples[-1][1] - warm_rss) / warm_rss})
+            result.update(
+                {
+                    "rss_after_warmup_mb": warm_rss,
+                    "rss_samples": samples,
+                    "gauges_after": gauges(url),
+                    "rss_growth_pct": 100 * (samples[-1][1] - warm_rss) / warm_rss,
+                }
+            )
             write_json("soak", result)
             _plot_soak(samples)
             print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=2))
@@ -224,7 +258,10 @@ def main() -> None:
             levels = []
             for c in (1, 4, 16, 48):
                 res = asyncio.run(run_level(url, c, args.seconds / 2, pool, seed=c))
-                print(json.dumps({k: res[k] for k in ("concurrency", "ok_rps", "tokens_per_s", "status")}), flush=True)
+                print(
+                    json.dumps({k: res[k] for k in ("concurrency", "ok_rps", "tokens_per_s", "status")}),
+                    flush=True,
+                )
                 levels.append(res)
             write_json("load", {"policy": args.policy, "levels": levels})
             _plot_levels(levels)
@@ -247,7 +284,12 @@ def _plot_levels(levels: list[dict[str, Any]]) -> None:
     a1.legend(fontsize=8)
     a1.set_title("Throughput")
     for tier in ("small", "medium", "large"):
-        a2.plot(c, [lv["per_tier"].get(tier, {}).get("ttft_p95_s", float("nan")) for lv in levels], "o-", label=f"{tier} TTFT p95")
+        a2.plot(
+            c,
+            [lv["per_tier"].get(tier, {}).get("ttft_p95_s", float("nan")) for lv in levels],
+            "o-",
+            label=f"{tier} TTFT p95",
+        )
     a2.set_xlabel("concurrent clients")
     a2.set_ylabel("s")
     a2.set_yscale("log")

@@ -30,12 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_prompts(n: int = 400) -> list[str]:
-    rows = [json.loads(line) for line in (ROOT / "classifier/data/heldout.jsonl").read_text().splitlines() if line]
+    rows = [
+        json.loads(line) for line in (ROOT / "classifier/data/heldout.jsonl").read_text().splitlines() if line
+    ]
     random.Random(0).shuffle(rows)
     return [r["prompt"] for r in rows[:n]]
 
 
-async def drive(url: str, method: str, path: str, bodies: list[Any] | None, concurrency: int, total: int) -> dict[str, Any]:
+async def drive(
+    url: str, method: str, path: str, bodies: list[Any] | None, concurrency: int, total: int
+) -> dict[str, Any]:
     client_ms: list[float] = []
     server_ms: list[float] = []
     errors = 0
@@ -71,7 +75,9 @@ async def drive(url: str, method: str, path: str, bodies: list[Any] | None, conc
         "client_p99_ms": percentile(client_ms, 0.99),
     }
     if server_ms:
-        out.update({"server_p50_ms": percentile(server_ms, 0.5), "server_p99_ms": percentile(server_ms, 0.99)})
+        out.update(
+            {"server_p50_ms": percentile(server_ms, 0.5), "server_p99_ms": percentile(server_ms, 0.99)}
+        )
     return out
 
 
@@ -83,8 +89,22 @@ def main() -> None:
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     env = dict(os.environ, OTEL_SDK_DISABLED="true")
-    server = subprocess.Popen([sys.executable, "-m", "router.cli", "--log-level", "warning", "serve", "--policy",
-                               args.policy, "--port", str(args.port)], cwd=ROOT, env=env)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "--log-level",
+            "warning",
+            "serve",
+            "--policy",
+            args.policy,
+            "--port",
+            str(args.port),
+        ],
+        cwd=ROOT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -102,15 +122,20 @@ def main() -> None:
             n = args.requests if concurrency > 1 else args.requests // 3
             base = asyncio.run(drive(url, "GET", "/healthz", None, concurrency, n))
             route = asyncio.run(drive(url, "POST", "/v1/route", bodies, concurrency, n))
-            row = {"concurrency": concurrency, "healthz": base, "route": route,
-                   "client_p99_ratio": route["client_p99_ms"] / base["client_p99_ms"]}
+            row = {
+                "concurrency": concurrency,
+                "healthz": base,
+                "route": route,
+                "client_p99_ratio": route["client_p99_ms"] / base["client_p99_ms"],
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
         server.terminate()
         server.wait(60)
-    write_json("routing_overhead", {"policy": args.policy, "rows": rows,
-                                     "target": {"route_p99_ms_at_50": 3.0}})
+    write_json(
+        "routing_overhead", {"policy": args.policy, "rows": rows, "target": {"route_p99_ms_at_50": 3.0}}
+    )
     _plot(rows)
 
 

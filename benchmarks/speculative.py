@@ -1,5 +1,5 @@
 """Speculative decoding on the embedded default: the large tier (fp32) with and without its draft
-(the medium tier's model, int8 weights, shared in memory), at batch 1, 4 and 16, side by side
+(the medium tier's model, int4 weights in groups of 32, shared in memory), at batch 1, 4 and 16, side by side
 with transformers' assisted generation (``assistant_model=``, batch 1 only) on the same two models.
 
 Greedy, 96 new tokens per request, EOS ignored (every system generates the same tokens).
@@ -48,9 +48,14 @@ def main() -> None:
     rows = []
     for batch_size in (1, 4, 16):
         batch = [ids[i % len(ids)] for i in range(batch_size)]
-        reps = 3 if batch_size == 1 else 1
-        base = max(_engine_tps(plain, batch)[0] for _ in range(reps))
-        runs = [_engine_tps(spec, batch) for _ in range(reps)]
+        # This VM's speed drifts by +-15% between runs: interleave the two engines and keep the
+        # best of each, so drift hits both sides alike.
+        reps = 3 if batch_size == 1 else 2
+        bases, runs = [], []
+        for _ in range(reps):
+            bases.append(_engine_tps(plain, batch)[0])
+            runs.append(_engine_tps(spec, batch))
+        base = max(bases)
         best = max(runs, key=lambda r: r[0])
         tps, drafted, accepted, rounds = best
         row: dict[str, Any] = {
@@ -65,7 +70,7 @@ def main() -> None:
         }
         if batch_size == 1:
             hf = max(worker.call(lambda: _assisted(target, draft, ids[:4])) for _ in range(2))
-            hf_plain = worker.call(lambda: _assisted(target, None, ids[:4]))
+            hf_plain = max(worker.call(lambda: _assisted(target, None, ids[:4])) for _ in range(2))
             row.update({"hf_assisted_tok_s": hf, "hf_plain_tok_s": hf_plain, "vs_hf_assisted": tps / hf})
         rows.append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -76,7 +81,7 @@ def main() -> None:
         "speculative",
         {
             "target": "embedded:smollm2-135m-instruct fp32 (large tier)",
-            "draft": "embedded:smollm2-135m-instruct int8 weights (medium tier)",
+            "draft": "embedded:smollm2-135m-instruct int4/g32 weights (the medium tier's model)",
             "new_tokens": NEW_TOKENS,
             "rows": rows,
             "controller_cost_ms": {"target": cost, "draft": dcost},
@@ -93,7 +98,9 @@ def _setup() -> tuple[Any, Any, Any, Any]:
     from tiers.scheduler import SchedulerConfig
 
     target = load_model("embedded:smollm2-135m-instruct", quantization="none", dtype="float32")
-    draft = load_model("embedded:smollm2-135m-instruct", quantization="int8")
+    draft = load_model(
+        "embedded:smollm2-135m-instruct", quantization="int4", group_size=32
+    )  # the medium tier
     cfg = SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512)
     plain = Engine("plain", ModelRunner(target, num_slots=16, max_model_len=512), cfg)
     spec = Engine(
@@ -185,7 +192,7 @@ def _plot(rows: list[dict[str, Any]]) -> None:
     ax2.set_xlabel("batch size")
     ax2.legend(fontsize=8)
     ax2.set_title("Speedup and acceptance")
-    fig.suptitle("Speculative decoding, SmolLM2-135M: fp32 target, int8 draft")
+    fig.suptitle("Speculative decoding, SmolLM2-135M: fp32 target, int4 draft")
     fig.tight_layout()
     fig.savefig(plot_path("speculative"), dpi=120)
 

@@ -36,6 +36,8 @@ def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.model,
         cfg.dtype,
         cfg.quantization,
+        cfg.quant_group_size,
+        cfg.quantize_head,
         cfg.device,
         cfg.max_num_seqs,
         cfg.max_queue,
@@ -151,7 +153,7 @@ class TierSet:
 
 
 def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
-    return (cfg.model, cfg.dtype, cfg.quantization, cfg.device)
+    return (cfg.model, cfg.dtype, cfg.quantization, cfg.quant_group_size, cfg.quantize_head, cfg.device)
 
 
 def _check_draft_compatible(
@@ -213,7 +215,14 @@ def build_tiers(
         )
 
         def load(cfg: TierConfig = cfg) -> LoadedModel:
-            return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, quantization=cfg.quantization)
+            return load_model(
+                cfg.model,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                quantization=cfg.quantization,
+                group_size=cfg.quant_group_size,
+                int4_head=cfg.quantize_head,
+            )
 
         models[key] = worker.call(load)
     backends: dict[str, Backend] = {}

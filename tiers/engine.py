@@ -257,10 +257,9 @@ class Engine:
         seq.first_scheduled_time = time.monotonic()
         if self.prefix_cache is not None:
             assert seq.slot is not None
-            hit = self.prefix_cache.load(seq.slot, seq.prompt_token_ids, self.runner, self.draft)
+            hit = self.prefix_cache.load(seq.slot, seq.prompt_token_ids, self.runner)
             seq.num_cached_tokens = hit
             seq.num_computed_tokens = hit
-            seq.num_draft_computed_tokens = hit if self.draft is not None else 0
 
     def _run_isolated(self, batch: ScheduledBatch) -> None:
         """Run the batch; if its forward raises, find the culprit by running each sequence alone,
@@ -305,16 +304,6 @@ class Engine:
                 )
             )
         logits = self.runner.forward(rows)
-        if self.draft is not None:
-            # The draft prefills the same chunk into its own pool, so speculation can start at once.
-            draft_rows = []
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                start = seq.num_draft_computed_tokens
-                end = seq.num_computed_tokens + n
-                draft_rows.append(RowInput(self._slot(seq), start, seq.token_ids[start:end], "none"))
-            self.draft.forward(draft_rows)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_draft_computed_tokens = seq.num_computed_tokens + n
         for seq, n, lg in zip(batch.seqs, batch.num_new_tokens, logits, strict=True):
             seq.num_computed_tokens += n
             if lg is not None:
@@ -322,7 +311,7 @@ class Engine:
         if self.prefix_cache is not None:
             for seq in batch.seqs:
                 if not seq.is_prefilling and seq.slot is not None:
-                    self.prefix_cache.store(seq.slot, seq.prompt_token_ids, self.runner, self.draft)
+                    self.prefix_cache.store(seq.slot, seq.prompt_token_ids, self.runner)
 
     # -- plain decode ----------------------------------------------------------------------------
     def _decode(self, batch: ScheduledBatch) -> None:
@@ -363,16 +352,17 @@ class Engine:
 
     def _decode_speculative(self, batch: ScheduledBatch) -> None:
         assert self.draft is not None
-        k = self.spec.choose_k(batch.num_seqs)
+        lag = max(s.num_tokens - s.num_draft_computed_tokens for s in batch.seqs)
+        k = self.spec.choose_k(batch.num_seqs, lag)
         budgets = [self._spec_budget(s, k) for s in batch.seqs]
         k = max(budgets, default=0)
         if k == 0:
             self._decode(batch)
             return
         seqs = batch.seqs
-        # 1. Draft: catch up on tokens the draft has not seen (1, or 2 after a fully accepted round,
-        #    more after plain-decode steps), then propose up to k tokens per row.
-        started = time.perf_counter()
+        # 1. Draft: catch up on tokens the draft has not seen - the prompt on a sequence's first
+        #    speculative step (the draft never runs where speculation does not pay), 1 or 2 after a
+        #    round, more after plain steps - then propose up to k tokens per row.
         drafts: list[list[int]] = [[] for _ in seqs]
         draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         feed = [s.token_ids[s.num_draft_computed_tokens :] for s in seqs]
@@ -382,7 +372,12 @@ class Engine:
             if not active:
                 break
             rows = [RowInput(self._slot(seqs[i]), starts[i], feed[i]) for i in active]
+            started = time.perf_counter()
             logits = self.draft.forward(rows)
+            if step > 0 or max(len(r.token_ids) for r in rows) <= 2:
+                # Catch-up forwards (a whole prompt on a sequence's first round) are not what a
+                # draft step costs; keep them out of the cost model.
+                self.spec.record_draft(len(rows), 1, time.perf_counter() - started)
             for i, lg in zip(active, logits, strict=True):
                 assert lg is not None
                 starts[i] += len(feed[i])
@@ -395,8 +390,6 @@ class Engine:
                 drafts[i].append(tok)
                 draft_probs[i].append(probs[0])
                 feed[i] = [tok]
-        draft_time = time.perf_counter() - started
-        self.spec.record_draft(batch.num_seqs, 1, draft_time / k)
         # 2. Verify: one target forward over [last token, d1..dk] for every row.
         started = time.perf_counter()
         rows = [

@@ -197,6 +197,8 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     quantization: QuantMethod = "none",
+    group_size: int = 32,
+    int4_head: bool = False,
 ) -> LoadedModel:
     """Load a tier's model at its operating point (device, dtype, weight quantization)."""
     import torch
@@ -223,7 +225,7 @@ def load_model(
     hf_model.requires_grad_(False)
     hf_model.to(dev)  # type: ignore[arg-type]
     if quantization != "none":
-        quantize_model(hf_model, quantization)
+        quantize_model(hf_model, quantization, group_size=group_size, int4_head=int4_head)
         hf_model.to(torch_dtype)  # type: ignore[arg-type]
     elif dev.type == "cpu" and torch_dtype == torch.float32:
         use_onednn_linears(hf_model)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from tiers.fast_forward import FastDecoder, supports_fast_path
+
 if TYPE_CHECKING:
     from tiers.loading import LoadedModel
 
@@ -78,7 +80,9 @@ class _StepCache:
 class ModelRunner:
     """Runs batched forwards of one model over its own KV slot pool."""
 
-    def __init__(self, loaded: LoadedModel, *, num_slots: int, max_model_len: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, num_slots: int, max_model_len: int, fast_path: bool = True
+    ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -97,6 +101,8 @@ class ModelRunner:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.base = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
+        # Llama-family models skip HF's layer stack for a lean loop over the same modules.
+        self.fast = FastDecoder(self.model) if fast_path and supports_fast_path(self.model) else None
 
     @property
     def kv_bytes(self) -> int:
@@ -130,14 +136,17 @@ class ModelRunner:
         mask = keys[None, None, None, :] <= positions[:, None, :, None]
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         cache = _StepCache(self, slots.to(dev), positions.to(dev), kv_len)
-        out = self.base(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=positions.to(dev),
-            cache=cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state  # [B, T, hidden]
+        if self.fast is not None:
+            hidden = self.fast(ids.to(dev), mask.to(dev), positions.to(dev), cache)
+        else:
+            out = self.base(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                position_ids=positions.to(dev),
+                cache=cache,
+                use_cache=True,
+            )
+            hidden = out.last_hidden_state  # [B, T, hidden]
         pick_rows: list[int] = []
         pick_cols: list[int] = []
         spans: list[tuple[int, int] | None] = []

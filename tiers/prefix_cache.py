@@ -5,7 +5,8 @@ Prompts are cut into blocks of ``block_size`` tokens; block i is named by a hash
 blocks 0..i (vLLM's scheme), so equal names mean equal prefixes. After a prompt's prefill the KV of
 its full blocks is copied out of the sequence's slot into this store; a new request copies the
 longest run of known blocks into its slot and starts computing after them. Copies are cheap next to
-recomputing: a block's KV is read once, while a forward reads every weight of the model.
+recomputing: a block's KV is read once, while a forward reads every weight of the model. Only the
+tier's own KV is kept; a speculative draft catches up on the prompt lazily, when it first drafts.
 
 Eviction is LRU under ``capacity_tokens``. The store lives on the engine thread; no locking.
 """
@@ -28,8 +29,7 @@ __all__ = ["PrefixCache"]
 @dataclass(slots=True)
 class _Block:
     tokens: tuple[int, ...]  # checked on lookup, so a hash collision can never serve wrong KV
-    target: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim]
-    draft: torch.Tensor | None
+    kv: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim]
 
 
 class PrefixCache:
@@ -54,7 +54,7 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def load(self, slot: int, prompt_ids: Seq[int], runner: ModelRunner, draft: ModelRunner | None) -> int:
+    def load(self, slot: int, prompt_ids: Seq[int], runner: ModelRunner) -> int:
         """Copy the longest cached prefix of ``prompt_ids`` into ``slot``; return its length in tokens.
 
         At least one prompt token is always left to compute: its logits give the first output token.
@@ -67,23 +67,17 @@ class PrefixCache:
         for i, h in enumerate(self._hashes(prompt_ids, max_blocks)):
             block = self._blocks.get(h)
             start = i * self.block_size
-            if (
-                block is None
-                or block.tokens != tuple(prompt_ids[start : start + self.block_size])
-                or (draft is not None and block.draft is None)
-            ):
+            if block is None or block.tokens != tuple(prompt_ids[start : start + self.block_size]):
                 break
             self._blocks.move_to_end(h)
-            runner.write_kv(slot, start, block.target)
-            if draft is not None and block.draft is not None:
-                draft.write_kv(slot, start, block.draft)
+            runner.write_kv(slot, start, block.kv)
             n += 1
         if n:
             self.hits += 1
             self.hit_tokens += n * self.block_size
         return n * self.block_size
 
-    def store(self, slot: int, prompt_ids: Seq[int], runner: ModelRunner, draft: ModelRunner | None) -> None:
+    def store(self, slot: int, prompt_ids: Seq[int], runner: ModelRunner) -> None:
         """Save the full blocks of a prefilled prompt that the store does not hold yet."""
         if not self.capacity_blocks:
             return
@@ -95,8 +89,7 @@ class PrefixCache:
                 self._blocks.move_to_end(h)
             return
         first = missing[0]
-        target = runner.read_kv(slot, first * bs, len(hashes) * bs)
-        draft_kv = draft.read_kv(slot, first * bs, len(hashes) * bs) if draft is not None else None
+        kv = runner.read_kv(slot, first * bs, len(hashes) * bs)
         for i, h in enumerate(hashes):
             if i < first or h in self._blocks:
                 if h in self._blocks:
@@ -104,9 +97,7 @@ class PrefixCache:
                 continue
             j = (i - first) * bs
             self._blocks[h] = _Block(
-                tuple(prompt_ids[i * bs : (i + 1) * bs]),
-                target[:, :, :, j : j + bs].clone(),
-                None if draft_kv is None else draft_kv[:, :, :, j : j + bs].clone(),
+                tuple(prompt_ids[i * bs : (i + 1) * bs]), kv[:, :, :, j : j + bs].clone()
             )
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)

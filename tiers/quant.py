@@ -173,7 +173,9 @@ def use_onednn_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantize_model(model: nn.Module, method: QuantMethod, *, group_size: int = 32) -> nn.Module:
+def quantize_model(
+    model: nn.Module, method: QuantMethod, *, group_size: int = 32, int4_head: bool = False
+) -> nn.Module:
     """Rewrite every ``nn.Linear`` in place (the output head included, untied from the embedding).
 
     The output head always gets int8, even under ``int4``: it is one matrix but decides every
@@ -186,7 +188,8 @@ def quantize_model(model: nn.Module, method: QuantMethod, *, group_size: int = 3
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if child is getattr(model, "lm_head", None) or method == "int8":
+            is_head = child is getattr(model, "lm_head", None)
+            if method == "int8" or (is_head and not int4_head):
                 setattr(parent, name, Int8WeightOnlyLinear(child))
             elif child.in_features % group_size == 0:
                 setattr(parent, name, Int4WeightOnlyLinear(child, group_size))

@@ -49,6 +49,12 @@ def accept_draft(
     return out
 
 
+SPEC_MARGIN = 1.1
+"""Keep speculating only while the model predicts at least this much more throughput than plain decoding."""
+SPEC_RESUME_MARGIN = 1.25
+"""Start (or resume) speculating only above this: the draft first catches up on its backlog."""
+
+
 def _bucket(batch_size: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
 
@@ -92,17 +98,18 @@ class SpecController:
         slope = (c1 - c0) / (t1 - t0) if t1 != t0 else c0 / max(t0, 1)
         return c1 + slope * (tokens - t1)
 
-    def expected_rate(self, k: int, batch_size: int) -> float | None:
+    def expected_rate(self, k: int, batch_size: int, acceptance: float | None = None) -> float | None:
         b = _bucket(batch_size)
         target = self._cost(self.target_cost, b, k + 1)
         draft = self._cost(self.draft_cost, b, 1) if k else 0.0
         if target is None or draft is None:
             return None
-        a = min(self.acceptance, 0.999)
+        a = min(self.acceptance if acceptance is None else acceptance, 0.999)
         tokens = (1.0 - a ** (k + 1)) / (1.0 - a)
         return tokens / (target + k * draft)
 
-    def choose_k(self, batch_size: int) -> int:
+    def choose_k(self, batch_size: int, draft_lag: int = 1) -> int:
+        """``draft_lag``: most tokens any row's draft must catch up on before drafting."""
         if self.max_k <= 0:
             return 0
         if self.fixed_k is not None:
@@ -111,9 +118,23 @@ class SpecController:
         if any(r is None for r in rates.values()):
             return self.max_k  # not profiled yet: measure by doing
         best = max(rates, key=lambda k: rates[k] or 0.0)
+        # Speculate only on a clear predicted win: step costs are noisy, and a draft that has been
+        # idle must first re-read its backlog, which the per-step model does not see.
+        margin = SPEC_MARGIN if draft_lag <= 2 else SPEC_RESUME_MARGIN
+        if best and (rates[best] or 0.0) < margin * (rates[0] or 0.0):
+            best = 0
         if best == 0:
             self.steps_without_spec += 1
-            if self.steps_without_spec >= self.explore_every:
+            # Explore (to refresh the acceptance estimate) only where speculation could win with a
+            # perfect draft, and not while the draft would first re-read a long backlog.
+            ceiling = max(
+                self.expected_rate(k, batch_size, acceptance=0.999) or 0.0 for k in range(1, self.max_k + 1)
+            )
+            if (
+                self.steps_without_spec >= self.explore_every
+                and ceiling > (rates[0] or 0.0)
+                and draft_lag <= 8
+            ):
                 self.steps_without_spec = 0
                 return max(range(1, self.max_k + 1), key=lambda k: rates[k] or 0.0)
         else:

@@ -211,6 +211,8 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
         ):
             if getattr(tier, fname) < minimum:
                 ctx.error((*p, fname), f"must be >= {minimum}, got {getattr(tier, fname)}")
+        if tier.quant_group_size not in (32, 64, 128):
+            ctx.error((*p, "quant_group_size"), f"must be 32, 64 or 128, got {tier.quant_group_size}")
         if tier.speculative_tokens > 16:
             ctx.error((*p, "speculative_tokens"), f"must be <= 16, got {tier.speculative_tokens}")
         if tier.timeout_s <= 0:

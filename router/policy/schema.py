@@ -47,6 +47,10 @@ class TierConfig:
     """``auto``: bf16 on GPUs; on CPUs fp32, or bf16 activations for quantized weights."""
     quantization: Literal["none", "int8", "int4"] = "none"
     """Weight-only quantization applied at load."""
+    quant_group_size: int = 32
+    """int4: input channels sharing one scale/zero (32, 64 or 128); larger is cheaper and coarser."""
+    quantize_head: bool = False
+    """int4: quantize the output head to int4 too (default int8: it decides every token)."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``..."""
     max_num_seqs: int = 16

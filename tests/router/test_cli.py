@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args], capture_output=True,
-        check=False, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "router.cli", *args],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 

@@ -132,9 +132,20 @@ def test_controller_turns_speculation_off_when_it_does_not_pay() -> None:
 
 
 def test_controller_explores_after_many_plain_steps() -> None:
+    # Low measured acceptance makes k = 0 best, but a good draft could win here: explore now and then.
     c = SpecController(max_k=2, acceptance=0.1, explore_every=3)
     c.record_target(1, 1, 0.05)
-    c.record_target(1, 3, 0.2)
-    c.record_draft(1, 1, 0.05)
+    c.record_target(1, 3, 0.06)
+    c.record_draft(1, 1, 0.02)
     ks = [c.choose_k(1) for _ in range(6)]
     assert ks.count(0) == 4 and max(ks) > 0
+    # ...but not while the draft would first re-read a long backlog.
+    assert all(c.choose_k(1, draft_lag=500) == 0 for _ in range(6))
+
+
+def test_controller_never_explores_where_even_a_perfect_draft_loses() -> None:
+    c = SpecController(max_k=2, acceptance=0.1, explore_every=1)
+    c.record_target(16, 1, 0.05)
+    c.record_target(16, 3, 0.2)
+    c.record_draft(16, 1, 0.05)
+    assert all(c.choose_k(16) == 0 for _ in range(10))

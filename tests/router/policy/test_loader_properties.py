@@ -16,20 +16,42 @@ scalars = st.one_of(
 )
 values = st.recursive(
     scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
     max_leaves=12,
 )
-keys = st.sampled_from(["tiers", "routing", "version", "service", "tenants", "rules", "model", "draft", "when", "tier",
-                        "score_below", "aliases", "fallback", "cache", "auth", "bogus"])
+keys = st.sampled_from(
+    [
+        "tiers",
+        "routing",
+        "version",
+        "service",
+        "tenants",
+        "rules",
+        "model",
+        "draft",
+        "when",
+        "tier",
+        "score_below",
+        "aliases",
+        "fallback",
+        "cache",
+        "auth",
+        "bogus",
+    ]
+)
 
 
 def check(text: str) -> None:
+    error: PolicyError | None = None
     try:
         policy = parse_policy(text)
     except PolicyError as exc:
-        assert exc.issues
-        for issue in exc.issues:
-            assert issue.path and issue.message
+        error = exc
+    if error is not None:
+        assert error.issues
+        assert all(issue.path and issue.message for issue in error.issues)
         return
     assert policy.tiers and policy.routing.rules
 
