@@ -9,7 +9,7 @@ POLICY ?= policies/default.yaml
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install models run test test-fast lint bench clean
+.PHONY: install models sysdeps run test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -31,7 +31,14 @@ models: $(STAMP)
 run: models
 	$(BIN)/tiered-router serve --policy $(POLICY) --host $(HOST) --port $(PORT)
 
-test: models
+# A real redis-server for the shared-cache tests (Debian's package; the tests start their own).
+sysdeps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server for the cache tests"; \
+	  apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq redis-server >/dev/null; }; }
+
+test: models sysdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
@@ -43,9 +50,13 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: models
+	$(BIN)/python -m benchmarks.ladder
 	$(BIN)/python -m benchmarks.batching
 	$(BIN)/python -m benchmarks.speculative
 	$(BIN)/python -m benchmarks.classifier
+	$(BIN)/python -m benchmarks.routing_overhead
+	$(BIN)/python -m benchmarks.cache
+	$(BIN)/python -m benchmarks.load
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
