@@ -284,9 +284,15 @@ def _middleware(app: Any) -> Any:
         litestar_app: Litestar = scope["app"]
         state: State = litestar_app.state
         path: str = scope.get("path", "")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         scope.setdefault("state", {})
         keys: ApiKeys = state.api_keys
+        telemetry: Telemetry = state.telemetry
+        needs_headers = keys.enabled or (telemetry.tracing_enabled and path.startswith("/v1/"))
+        headers = (
+            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            if needs_headers
+            else {}
+        )
         if keys.enabled and path not in OPEN_PATHS:
             tenant = keys.authenticate(headers.get("authorization"))
             if tenant is False:
@@ -297,7 +303,7 @@ def _middleware(app: Any) -> Any:
                 scope["state"]["tenant"] = tenant
         send = _with_server_timing(send)
         span = (
-            state.telemetry.server_span(
+            telemetry.server_span(
                 f"{scope.get('method', 'GET')} {path}",
                 headers,
                 {

@@ -171,16 +171,25 @@ class RouterService:
         return Routed(decision, score, prompt_tokens, classify_s * 1000)
 
     def _count_tokens(self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
-        uses = any(
-            r.when is not None
-            and (r.when.prompt_tokens_above is not None or r.when.prompt_tokens_at_most is not None)
+        """Prompt tokens for the ``prompt_tokens_*`` rules: exact when a rule could turn on it.
+
+        A byte-level BPE token covers at least one UTF-8 byte, so a text of N bytes has at most N
+        tokens; below the smallest threshold any rule uses, tokenizing cannot change the decision
+        and the (cheap) byte count is used instead.
+        """
+        text = (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
+        thresholds = [
+            t
             for r in policy.routing.rules
-        )
-        text = prompt if messages is None else "\n".join(m["content"] for m in messages)
-        tok = self.tiers.counting_tokenizer() if (uses and self.tiers is not None) else None
-        if tok is None:
-            return len(text or "") // 4  # a rough count when no rule needs an exact one
-        return len(tok.encode(text or "", add_special_tokens=False))
+            if r.when is not None
+            for t in (r.when.prompt_tokens_above, r.when.prompt_tokens_at_most)
+            if t is not None
+        ]
+        upper_bound = len(text.encode("utf-8", "surrogatepass"))
+        tok = self.tiers.counting_tokenizer() if self.tiers is not None else None
+        if not thresholds or tok is None or upper_bound <= min(thresholds):
+            return min(upper_bound, max(1, len(text) // 4)) if thresholds else len(text) // 4
+        return len(tok.encode(text, add_special_tokens=False))
 
     def route_info(
         self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
