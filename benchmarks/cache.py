@@ -15,16 +15,13 @@ Writes benchmarks/results/cache.{json,png}.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.common import percentile, plot_path, write_json
+from benchmarks.common import percentile, plot_path, serve, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,71 +74,42 @@ def ttft(c: httpx.Client, messages: list[dict[str, str]]) -> tuple[float, int]:
 
 def main() -> None:
     port = 18081
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, OTEL_SDK_DISABLED="true")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "--log-level",
-            "warning",
-            "serve",
-            "--policy",
-            str(ROOT / "policies/default.yaml"),
-            "--port",
-            str(port),
-        ],
-        cwd=ROOT,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        with httpx.Client(base_url=url, timeout=300) as c:
-            miss_ms, hit_ms = [], []
-            for i in range(20):
-                body = {
-                    "model": "large",
-                    "temperature": 0,
-                    "max_tokens": 48,
-                    "messages": [
-                        {"role": "user", "content": f"Question {i}: explain {TOPICS[i % 10]} briefly."}
-                    ],
-                }
+    with (
+        serve(ROOT / "policies/default.yaml", port) as (url, _),
+        httpx.Client(base_url=url, timeout=300) as c,
+    ):
+        miss_ms, hit_ms = [], []
+        for i in range(20):
+            body = {
+                "model": "large",
+                "temperature": 0,
+                "max_tokens": 48,
+                "messages": [{"role": "user", "content": f"Question {i}: explain {TOPICS[i % 10]} briefly."}],
+            }
+            started = time.perf_counter()
+            r = c.post("/v1/chat/completions", json=body)
+            miss = (time.perf_counter() - started) * 1000
+            assert r.headers.get("x-router-cache") == "miss", r.headers
+            cacheable = r.json()["choices"][0]["finish_reason"] == "stop"
+            for _ in range(10 if cacheable else 0):
                 started = time.perf_counter()
-                r = c.post("/v1/chat/completions", json=body)
-                miss = (time.perf_counter() - started) * 1000
-                assert r.headers.get("x-router-cache") == "miss", r.headers
-                cacheable = r.json()["choices"][0]["finish_reason"] == "stop"
-                for _ in range(10 if cacheable else 0):
-                    started = time.perf_counter()
-                    h = c.post("/v1/chat/completions", json=body)
-                    hit_ms.append((time.perf_counter() - started) * 1000)
-                    assert h.headers["x-router-cache"] == "hit"
-                if cacheable:
-                    miss_ms.append(miss)
-            cold, warm, cached = [], [], []
-            for topic in TOPICS:
-                sys_msg = {"role": "system", "content": system_prompt(topic)}
-                t_cold, _ = ttft(
-                    c, [sys_msg, {"role": "user", "content": f"What is the first thing to learn in {topic}?"}]
-                )
-                t_warm, n_cached = ttft(
-                    c, [sys_msg, {"role": "user", "content": f"Name one famous person in {topic}."}]
-                )
-                cold.append(t_cold * 1000)
-                warm.append(t_warm * 1000)
-                cached.append(n_cached)
-    finally:
-        server.terminate()
-        server.wait(60)
+                h = c.post("/v1/chat/completions", json=body)
+                hit_ms.append((time.perf_counter() - started) * 1000)
+                assert h.headers["x-router-cache"] == "hit"
+            if cacheable:
+                miss_ms.append(miss)
+        cold, warm, cached = [], [], []
+        for topic in TOPICS:
+            sys_msg = {"role": "system", "content": system_prompt(topic)}
+            t_cold, _ = ttft(
+                c, [sys_msg, {"role": "user", "content": f"What is the first thing to learn in {topic}?"}]
+            )
+            t_warm, n_cached = ttft(
+                c, [sys_msg, {"role": "user", "content": f"Name one famous person in {topic}."}]
+            )
+            cold.append(t_cold * 1000)
+            warm.append(t_warm * 1000)
+            cached.append(n_cached)
     data: dict[str, Any] = {
         "response_cache": {
             "prompts": len(miss_ms),

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +86,46 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@contextmanager
+def serve(policy: str | Path, port: int, *, log_level: str = "warning") -> Iterator[tuple[str, int]]:
+    """Run ``tiered-router serve`` as a subprocess until every tier is ready; yields (url, pid)."""
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, OTEL_SDK_DISABLED="true")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "--log-level",
+            log_level,
+            "serve",
+            "--policy",
+            str(policy),
+            "--port",
+            str(port),
+        ],
+        cwd=root,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited with {server.returncode}")
+            time.sleep(0.5)
+        else:
+            raise SystemExit("the server never became ready")
+        yield url, server.pid
+    finally:
+        server.terminate()
+        server.wait(120)

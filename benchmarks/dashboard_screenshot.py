@@ -7,17 +7,14 @@ some traffic, and save a screenshot to benchmarks/results/dashboard.png.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.common import plot_path
+from benchmarks.common import plot_path, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -38,36 +35,52 @@ def main() -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         raise SystemExit("chromium is not installed: apt-get install -y chromium")
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "router.cli", "--log-level", "warning", "serve", "--policy",
-                               args.policy, "--port", str(args.port)], cwd=ROOT, env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with serve(args.policy, args.port, log_level="warning") as (url, _):
         with httpx.Client(base_url=url, timeout=300) as c:
             for i, q in enumerate(QUESTIONS * 2):
-                c.post("/v1/chat/completions", json={"model": "auto", "max_tokens": 24, "temperature": 0,
-                                                     "messages": [{"role": "user", "content": q}]})
+                c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "auto",
+                        "max_tokens": 24,
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": q}],
+                    },
+                )
                 if i % 4 == 0:
-                    c.post("/v1/chat/completions", json={"model": "large", "max_tokens": 32,
-                                                         "messages": [{"role": "user", "content": q}]})
+                    c.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": "large",
+                            "max_tokens": 32,
+                            "messages": [{"role": "user", "content": q}],
+                        },
+                    )
         out = plot_path("dashboard")
         with tempfile.TemporaryDirectory() as profile:
-            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                            f"--user-data-dir={profile}", "--window-size=1280,1100", "--virtual-time-budget=4000",
-                            f"--screenshot={out}", url + "/dashboard"], check=True, timeout=120,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    browser,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-quic",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    f"--user-data-dir={profile}",
+                    "--window-size=1280,1100",
+                    "--virtual-time-budget=4000",
+                    f"--screenshot={out}",
+                    url + "/dashboard",
+                ],
+                check=True,
+                timeout=120,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         print(f"saved {out}")
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 if __name__ == "__main__":

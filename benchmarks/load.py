@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -31,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import percentile, plot_path, write_json
+from benchmarks.common import percentile, plot_path, serve, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,39 +178,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--port", type=int, default=18082)
     args = parser.parse_args()
-    url = f"http://127.0.0.1:{args.port}"
-    env = dict(os.environ, OTEL_SDK_DISABLED="true")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "--log-level",
-            "warning",
-            "serve",
-            "--policy",
-            args.policy,
-            "--port",
-            str(args.port),
-        ],
-        cwd=ROOT,
-        env=env,
-    )
     pool = prompts()
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with serve(args.policy, args.port) as (url, pid):
         from router.policy.loader import load_policy
 
         capacity = sum(t.max_num_seqs for t in load_policy(args.policy).tiers.values())
         asyncio.run(run_level(url, 4, 5, pool, seed=99))  # warm-up
-        warm_rss = server_rss_mb(server.pid)
+        warm_rss = server_rss_mb(pid)
         if args.overload:
             result = asyncio.run(run_level(url, 4 * capacity, args.seconds, pool, seed=7))
             time.sleep(2)
@@ -223,7 +194,7 @@ def main() -> None:
                     "clients": 4 * capacity,
                     "gauges_after": gauges(url),
                     "rss_after_warmup_mb": warm_rss,
-                    "rss_after_mb": server_rss_mb(server.pid),
+                    "rss_after_mb": server_rss_mb(pid),
                 }
             )
             print(json.dumps(result, indent=2))
@@ -234,7 +205,7 @@ def main() -> None:
             async def sample() -> None:
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < args.seconds:
-                    samples.append((time.monotonic() - t0, server_rss_mb(server.pid)))
+                    samples.append((time.monotonic() - t0, server_rss_mb(pid)))
                     await asyncio.sleep(2)
 
             async def both() -> dict[str, Any]:
@@ -265,9 +236,6 @@ def main() -> None:
                 levels.append(res)
             write_json("load", {"policy": args.policy, "levels": levels})
             _plot_levels(levels)
-    finally:
-        server.terminate()
-        server.wait(120)
 
 
 def _plot_levels(levels: list[dict[str, Any]]) -> None:

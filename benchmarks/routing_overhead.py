@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.common import percentile, plot_path, write_json
+from benchmarks.common import percentile, plot_path, serve, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,35 +84,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--port", type=int, default=18080)
     args = parser.parse_args()
-    url = f"http://127.0.0.1:{args.port}"
-    env = dict(os.environ, OTEL_SDK_DISABLED="true")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "--log-level",
-            "warning",
-            "serve",
-            "--policy",
-            args.policy,
-            "--port",
-            str(args.port),
-        ],
-        cwd=ROOT,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("server never became ready")
+    with serve(args.policy, args.port) as (url, _):
         bodies = [{"messages": [{"role": "user", "content": p}]} for p in load_prompts()]
         rows = []
         for concurrency in (1, 10, 50):
@@ -130,9 +99,6 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        server.terminate()
-        server.wait(60)
     write_json(
         "routing_overhead", {"policy": args.policy, "rows": rows, "target": {"route_p99_ms_at_50": 3.0}}
     )

@@ -134,6 +134,8 @@ class Engine:
         self.draft = draft_runner
         self.spec = SpecController(max_k=speculative_tokens if draft_runner is not None else 0)
         self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.allocate(runner)
         self.observer = observer
         self.eos_token_ids = self._eos_ids()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -8,14 +8,17 @@ longest run of known blocks into its slot and starts computing after them. Copie
 recomputing: a block's KV is read once, while a forward reads every weight of the model. Only the
 tier's own KV is kept; a speculative draft catches up on the prompt lazily, when it first drafts.
 
-Eviction is LRU under ``capacity_tokens``. The store lives on the engine thread; no locking.
+Storage is one preallocated pool of ``capacity_tokens // block_size`` blocks, allocated (and
+touched) when the engine is built: memory is flat from the first request on, and eviction (LRU)
+only recycles block indices.
+
+The store lives on the device thread; no locking.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,25 +29,34 @@ if TYPE_CHECKING:
 __all__ = ["PrefixCache"]
 
 
-@dataclass(slots=True)
-class _Block:
-    tokens: tuple[int, ...]  # checked on lookup, so a hash collision can never serve wrong KV
-    kv: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim]
-
-
 class PrefixCache:
     def __init__(self, capacity_tokens: int, block_size: int = 16) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.capacity_blocks = max(0, capacity_tokens // block_size)
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+        # hash -> (pool index, the block's tokens: checked on lookup, so a collision never serves wrong KV)
+        self._index: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._free: list[int] = []
+        self._pool: torch.Tensor | None = None  # [blocks, layers, 2, kv_heads, block_size, head_dim]
         self.hits = 0
         self.queries = 0
         self.hit_tokens = 0
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._index)
+
+    def allocate(self, runner: ModelRunner) -> None:
+        """Reserve the pool in the runner's layout and dtype (call once, at engine build)."""
+        if self._pool is not None or not self.capacity_blocks:
+            return
+        shape = (self.capacity_blocks, runner.num_layers, 2, runner.num_kv_heads, self.block_size, runner.head_dim)
+        self._pool = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+        self._free = list(range(self.capacity_blocks - 1, -1, -1))
+
+    @property
+    def pool_bytes(self) -> int:
+        return 0 if self._pool is None else self._pool.numel() * self._pool.element_size()
 
     def _hashes(self, token_ids: Seq[int], num_blocks: int) -> list[int]:
         out, h = [], 0
@@ -60,44 +72,42 @@ class PrefixCache:
         At least one prompt token is always left to compute: its logits give the first output token.
         """
         self.queries += 1
-        if not self.capacity_blocks:
+        if self._pool is None:
             return 0
-        max_blocks = (len(prompt_ids) - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (len(prompt_ids) - 1) // bs
         n = 0
         for i, h in enumerate(self._hashes(prompt_ids, max_blocks)):
-            block = self._blocks.get(h)
-            start = i * self.block_size
-            if block is None or block.tokens != tuple(prompt_ids[start : start + self.block_size]):
+            entry = self._index.get(h)
+            if entry is None or entry[1] != tuple(prompt_ids[i * bs : (i + 1) * bs]):
                 break
-            self._blocks.move_to_end(h)
-            runner.write_kv(slot, start, block.kv)
+            self._index.move_to_end(h)
+            runner.write_kv(slot, i * bs, self._pool[entry[0]])
             n += 1
         if n:
             self.hits += 1
-            self.hit_tokens += n * self.block_size
-        return n * self.block_size
+            self.hit_tokens += n * bs
+        return n * bs
 
     def store(self, slot: int, prompt_ids: Seq[int], runner: ModelRunner) -> None:
         """Save the full blocks of a prefilled prompt that the store does not hold yet."""
-        if not self.capacity_blocks:
+        if self._pool is None:
             return
         bs = self.block_size
         hashes = self._hashes(prompt_ids, len(prompt_ids) // bs)
-        missing = [i for i, h in enumerate(hashes) if h not in self._blocks]
+        missing = [i for i, h in enumerate(hashes) if h not in self._index]
+        for h in hashes:
+            if h in self._index:
+                self._index.move_to_end(h)
         if not missing:
-            for h in hashes:
-                self._blocks.move_to_end(h)
             return
         first = missing[0]
-        kv = runner.read_kv(slot, first * bs, len(hashes) * bs)
-        for i, h in enumerate(hashes):
-            if i < first or h in self._blocks:
-                if h in self._blocks:
-                    self._blocks.move_to_end(h)
-                continue
+        kv = runner.read_kv(slot, first * bs, len(hashes) * bs)  # [layers, 2, kv_heads, n, head_dim]
+        for i in missing:
+            if not self._free:
+                _, (victim, _) = self._index.popitem(last=False)
+                self._free.append(victim)
+            idx = self._free.pop()
             j = (i - first) * bs
-            self._blocks[h] = _Block(
-                tuple(prompt_ids[i * bs : (i + 1) * bs]), kv[:, :, :, j : j + bs].clone()
-            )
-        while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            self._pool[idx].copy_(kv[:, :, :, j : j + bs])
+            self._index[hashes[i]] = (idx, tuple(prompt_ids[i * bs : (i + 1) * bs]))
