@@ -85,7 +85,9 @@ async def _respond(request: Request[Any, Any, Any], work: asyncio.Task[Completio
         if work not in done:
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
+                finished = await work
+                if finished.stream is not None:  # done just as the client left: release it now
+                    await _aclose_quietly(finished.stream)
             return Response(content=b"", status_code=499)
         result = work.result()
     finally:
@@ -106,10 +108,14 @@ async def _closing(stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
         async for chunk in stream:
             yield chunk
     finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+        await _aclose_quietly(stream)
+
+
+async def _aclose_quietly(stream: AsyncIterator[bytes]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 async def _wait_disconnect(request: Request[Any, Any, Any]) -> None:

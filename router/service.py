@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -493,7 +493,7 @@ class RouterService:
             await _aclose(source)
             self._leave()
             raise
-        return self._sse_body(gen, d, source, first, span_attrs, prompt_hint, ctx)
+        return _Stream(self._sse_body(gen, d, source, first, span_attrs, prompt_hint, ctx), self._leave)
 
     async def _sse_body(
         self,
@@ -504,7 +504,7 @@ class RouterService:
         span_attrs: dict[str, Any],
         prompt_hint: int,
         ctx: CallContext,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         cid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
         created = now()
         texts: list[str] = []
@@ -558,7 +558,6 @@ class RouterService:
                 )
         finally:
             await _aclose(source)  # client gone mid-stream: this aborts the engine request
-            self._leave()
 
     # -- draining ------------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -579,6 +578,45 @@ class RouterService:
             return True
         except TimeoutError:
             return False
+
+
+class _Stream:
+    """An SSE body whose end is accounted exactly once, however the response ends.
+
+    The HTTP layer may drop a response before iterating it (the client left while the first token
+    was being produced); an async generator that never started runs no ``finally``, so the
+    in-flight count would leak. ``on_close`` runs on exhaustion, on ``aclose()``, or at the latest
+    when the object is collected. (The engine request itself is aborted by the source generator's
+    own cleanup, which asyncio runs for started generators that are dropped.)
+    """
+
+    def __init__(self, body: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        self._body = body
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await anext(self._body)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def _close_sync(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()
+        finally:
+            self._close_sync()
+
+    def __del__(self) -> None:
+        self._close_sync()
 
 
 def _struct_to_dict(obj: Any) -> dict[str, Any]:
