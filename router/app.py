@@ -43,6 +43,9 @@ __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
+MAX_HEADER_BYTES = 64 * 1024
+"""Larger header sections get 431 (the C HTTP parser has no limit of its own)."""
+
 OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/dashboard", "/dashboard/data", "/schema", "/schema/openapi.json"}
 )
@@ -291,11 +294,17 @@ def _middleware(app: Any) -> Any:
         state: State = litestar_app.state
         path: str = scope.get("path", "")
         scope.setdefault("state", {})
+        raw_headers = scope.get("headers", [])
+        if sum(len(k) + len(v) for k, v in raw_headers) > MAX_HEADER_BYTES:
+            err = RouterError("Request headers are too large.", code="headers_too_large")
+            err.status_code, err.error_type = 431, "invalid_request_error"
+            await _send_json(send, 431, err.to_body(), {})
+            return
         keys: ApiKeys = state.api_keys
         telemetry: Telemetry = state.telemetry
         needs_headers = keys.enabled or (telemetry.tracing_enabled and path.startswith("/v1/"))
         headers = (
-            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
             if needs_headers
             else {}
         )

@@ -122,8 +122,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
     )
     server = DrainingServer(config, app)
-    asyncio.run(server.serve())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(server.serve())
     return 0
+
+
+def _loop_factory() -> Any:
+    """uvloop when installed (a faster event loop for the HTTP side), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 class DrainingServer:

@@ -1,0 +1,67 @@
+"""Building tiers from a policy: shared models, draft validation, remote tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from router.backends import LocalTier, RemoteBackend, build_tiers
+from router.errors import PolicyError
+from router.policy.loader import parse_policy
+from tests.fixtures import build_tiny_model
+from tiers.device import DeviceWorker
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[DeviceWorker]:
+    w = DeviceWorker()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def other_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("other-vocab"), vocab_size=320, seed=1)
+
+
+def test_draft_with_another_vocabulary_is_rejected_naming_both_tiers(
+    worker: DeviceWorker, tiny_model_dir: Path, other_vocab_model: Path
+) -> None:
+    policy = parse_policy(f"""
+version: 1
+tiers:
+  small: {{model: {other_vocab_model}}}
+  large: {{model: {tiny_model_dir}, draft: small}}
+routing:
+  rules: [{{name: d, tier: large}}]
+""")
+    with pytest.raises(PolicyError) as info:
+        build_tiers(policy, worker)
+    issue = info.value.issues[0]
+    assert issue.path == "tiers.large.draft"
+    assert "'small'" in issue.message and "'large'" in issue.message and "vocabular" in issue.message
+
+
+def test_tiers_share_loaded_models_and_drafts_share_weights(worker: DeviceWorker, tiny_model_dir: Path) -> None:
+    policy = parse_policy(f"""
+version: 1
+tiers:
+  small: {{model: {tiny_model_dir}, quantization: int8, max_num_seqs: 2}}
+  medium: {{model: {tiny_model_dir}, quantization: int8, draft: small, max_num_seqs: 2}}
+  remote: {{model: "http://127.0.0.1:9/v1"}}
+routing:
+  rules: [{{name: d, tier: small}}]
+""")
+    tiers = build_tiers(policy, worker)
+    try:
+        small, medium = tiers.get("small"), tiers.get("medium")
+        assert isinstance(small, LocalTier) and isinstance(medium, LocalTier)
+        assert small.engine.runner.model is medium.engine.runner.model  # one copy of the weights
+        assert medium.engine.draft is not None and medium.engine.draft.model is small.engine.runner.model
+        assert medium.engine.draft.k[0] is not small.engine.runner.k[0]  # the draft keeps its own KV
+        assert isinstance(tiers.get("remote"), RemoteBackend)
+    finally:
+        for engine in tiers.engines():
+            worker.remove_engine(engine)
