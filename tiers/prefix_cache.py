@@ -50,7 +50,14 @@ class PrefixCache:
         """Reserve the pool in the runner's layout and dtype (call once, at engine build)."""
         if self._pool is not None or not self.capacity_blocks:
             return
-        shape = (self.capacity_blocks, runner.num_layers, 2, runner.num_kv_heads, self.block_size, runner.head_dim)
+        shape = (
+            self.capacity_blocks,
+            runner.num_layers,
+            2,
+            runner.num_kv_heads,
+            self.block_size,
+            runner.head_dim,
+        )
         self._pool = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
         self._free = list(range(self.capacity_blocks - 1, -1, -1))
 

@@ -44,7 +44,9 @@ routing:
     assert "'small'" in issue.message and "'large'" in issue.message and "vocabular" in issue.message
 
 
-def test_tiers_share_loaded_models_and_drafts_share_weights(worker: DeviceWorker, tiny_model_dir: Path) -> None:
+def test_tiers_share_loaded_models_and_drafts_share_weights(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
     policy = parse_policy(f"""
 version: 1
 tiers:

@@ -25,7 +25,9 @@ def server(embedded_model_dir: Path) -> Iterator[Server]:
 def test_default_policy_answers_for_real(server: Server) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model="auto", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=30,
+        model="auto",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=30,
         temperature=0,
     )
     resp = raw.parse()
@@ -34,15 +36,24 @@ def test_default_policy_answers_for_real(server: Server) -> None:
     streamed = "".join(
         c.choices[0].delta.content or ""
         for c in client.chat.completions.create(
-            model="large", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=30,
-            temperature=0, stream=True,
+            model="large",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=30,
+            temperature=0,
+            stream=True,
         )
         if c.choices
     )
     assert "Paris" in streamed
     hard = client.chat.completions.with_raw_response.create(
-        model="auto", max_tokens=4,
-        messages=[{"role": "user", "content": "Prove that there are infinitely many primes, then generalize the "
-                   "argument to primes of the form 4k+3 with a rigorous step-by-step proof."}],
+        model="auto",
+        max_tokens=4,
+        messages=[
+            {
+                "role": "user",
+                "content": "Prove that there are infinitely many primes, then generalize the "
+                "argument to primes of the form 4k+3 with a rigorous step-by-step proof.",
+            }
+        ],
     )
     assert hard.headers["x-router-tier"] == "large"

