@@ -173,6 +173,13 @@ async def list_models(request: Request[Any, Any, Any]) -> api_types.ModelList:
     )
 
 
+@get("/v1/models/{model_id:str}", summary="Retrieve one model", responses={404: _ERRORS[404]})
+async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> api_types.Model:
+    if model_id not in _service(request).model_names():
+        raise ModelNotFoundError(f"The model '{model_id}' does not exist.", param="model")
+    return api_types.Model(id=model_id, created=1735689600, owned_by="tiered-router")
+
+
 @post(
     "/v1/route",
     status_code=HTTP_200_OK,
@@ -461,6 +468,7 @@ def create_app(
             chat_completions,
             completions,
             list_models,
+            retrieve_model,
             route,
             healthz,
             readyz,

@@ -288,3 +288,43 @@ def test_metrics_move(server: Server, client: openai.OpenAI) -> None:
     time.sleep(0.05)
     after = httpx.get(server.url + "/metrics").text
     assert before != after
+
+
+def test_retrieve_one_model(client: openai.OpenAI) -> None:
+    assert client.models.retrieve("auto").id == "auto"
+    assert client.models.retrieve("fast").id == "fast"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_tool_and_multimodal_shaped_messages_are_accepted(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model="small",
+        max_tokens=3,
+        messages=[
+            {"role": "system", "content": "You are helpful."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "user", "content": "thanks"},
+        ],
+        tools=[
+            {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+            }
+        ],
+    )
+    assert resp.choices[0].message.role == "assistant"
