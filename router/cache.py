@@ -20,11 +20,11 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from router.schemas import completion_id, now
+from router.sse import replay
 
 if TYPE_CHECKING:
     import numpy as np
@@ -201,7 +201,7 @@ class ResponseCache:
             entry["body"], id=completion_id("chatcmpl" if gen.kind == "chat" else "cmpl"), created=now()
         )
         if gen.stream:
-            return Completion(headers, stream=_replay(gen, body))
+            return Completion(headers, stream=replay(gen.kind, body, gen.include_usage))
         return Completion(headers, body=body)
 
     def _semantic_enabled(self, gen: _Gen) -> bool:
@@ -225,14 +225,14 @@ class ResponseCache:
         self,
         gen: _Gen,
         ctx: CallContext,
-        service: RouterService,
+        policy: Policy,
         body: dict[str, Any],
         decision: Decision,
         usage: dict[str, Any],
     ) -> None:
         if not self.cacheable(gen):
             return
-        partition = self._partition(ctx, service.policy)
+        partition = self._partition(ctx, policy)
         key = self._key(gen, partition)
         entry = {"body": body, "tier": decision.tier, "rule": decision.rule, "score": f"{decision.score:.4f}"}
         await self.backend.set(key, entry, self.config.ttl_s)
@@ -248,38 +248,6 @@ class ResponseCache:
 
     async def aclose(self) -> None:
         await self.backend.aclose()
-
-
-async def _replay(gen: _Gen, body: dict[str, Any]) -> AsyncIterator[bytes]:
-    """A cached answer as the same SSE sequence a live stream produces."""
-    from router.service import _sse_event
-
-    cid, created, model = body["id"], body["created"], body["model"]
-    obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
-    choice = body["choices"][0]
-    text = choice["message"]["content"] if gen.kind == "chat" else choice["text"]
-
-    def chunk(delta: Any, finish: str | None) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        c["delta" if gen.kind == "chat" else "text"] = delta
-        return {"id": cid, "object": obj, "created": created, "model": model, "choices": [c]}
-
-    if gen.kind == "chat":
-        yield _sse_event(chunk({"role": "assistant", "content": ""}, None))
-    yield _sse_event(chunk({"content": text} if gen.kind == "chat" else text, None))
-    yield _sse_event(chunk({} if gen.kind == "chat" else "", choice["finish_reason"]))
-    if gen.include_usage:
-        yield _sse_event(
-            {
-                "id": cid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": body["usage"],
-            }
-        )
-    yield b"data: [DONE]\n\n"
 
 
 def build_cache(policy: Policy) -> ResponseCache | None:

@@ -7,30 +7,25 @@ layer (``router.app``) only parses, authenticates and turns results into respons
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.backends import LocalTier, RemoteBackend, TierSet
-from router.errors import BadRequestError, OverloadedError, RateLimitError, RouterError, UnavailableError
+from router.errors import BadRequestError, OverloadedError, RateLimitError, UnavailableError
 from router.policy.decide import Decision, RouteRequest, decide
+from router.responses import RETRY_AFTER_S, ResponseMixin
 from router.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    completion_id,
     message_text,
-    now,
     stop_list,
-    usage_body,
     validate_sampling,
 )
 from tiers.engine import EngineFullError
 from tiers.output import StepOutput
-from tiers.remote import RemoteError
 from tiers.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,7 +38,6 @@ __all__ = ["CallContext", "Completion", "RouterService"]
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1.0
 
 
 @dataclass(slots=True)
@@ -104,7 +98,7 @@ class TenantLimiter:
         return None
 
 
-class RouterService:
+class RouterService(ResponseMixin):
     def __init__(
         self,
         policy: Policy,
@@ -353,212 +347,6 @@ class RouterService:
         body = {k: v for k, v in _struct_to_dict(gen.request).items() if v is not None}
         return backend.client.generate(gen.kind, body)
 
-    async def _first(self, source: AsyncIterator[StepOutput]) -> StepOutput:
-        """The first output, bounded by the queue timeout (waiting for a slot counts)."""
-        try:
-            return await asyncio.wait_for(anext(source), timeout=self.policy.service.queue_timeout_s)
-        except TimeoutError:
-            await _aclose(source)
-            raise UnavailableError(
-                "Timed out waiting for capacity; retry shortly.",
-                code="queue_timeout",
-                retry_after=RETRY_AFTER_S,
-            ) from None
-        except RemoteError as exc:
-            raise _remote_error(exc) from exc
-
-    def _span_attributes(self, gen: _Gen, d: Decision, routed: Routed) -> dict[str, Any]:
-        req = gen.request
-        attrs: dict[str, Any] = {
-            "gen_ai.operation.name": "chat" if gen.kind == "chat" else "text_completion",
-            "gen_ai.request.model": req.model,
-            "gen_ai.response.model": d.tier,
-            "router.tier": d.tier,
-            "router.rule": d.rule,
-            "router.score": routed.score.value,
-            "router.reason": d.reason,
-        }
-        for key, value in (
-            ("temperature", req.temperature),
-            ("top_p", req.top_p),
-            ("max_tokens", req.max_tokens),
-            ("seed", req.seed),
-        ):
-            if value is not None:
-                attrs[f"gen_ai.request.{key}"] = value
-        if self.telemetry.record_content:
-            attrs["gen_ai.prompt"] = (
-                json.dumps(gen.messages) if gen.messages is not None else (gen.prompt or "")
-            )
-        return attrs
-
-    def _finish_record(
-        self,
-        gen: _Gen,
-        d: Decision,
-        last: StepOutput,
-        outcome: str,
-        span_attrs: dict[str, Any],
-        prompt_hint: int,
-        text: str,
-    ) -> dict[str, Any]:
-        prompt_tokens = last.num_prompt_tokens or prompt_hint
-        self.telemetry.requests.labels(gen.kind, d.tier, d.rule, outcome).inc()
-        if last.timings:
-            self.telemetry.record_generation(
-                d.tier, last.timings, prompt_tokens, last.num_output_tokens, last.num_cached_tokens
-            )
-            if "arrival" in last.timings and "finish" in last.timings:
-                self.telemetry.e2e.labels(d.tier).observe(last.timings["finish"] - last.timings["arrival"])
-        attrs = dict(span_attrs)
-        attrs.update(
-            {
-                "gen_ai.usage.input_tokens": prompt_tokens,
-                "gen_ai.usage.output_tokens": last.num_output_tokens,
-                "gen_ai.response.finish_reasons": [last.finish_reason or ""],
-                "router.spec.draft_tokens": last.num_draft_tokens,
-                "router.spec.accepted_tokens": last.num_accepted_tokens,
-                "router.cached_tokens": last.num_cached_tokens,
-            }
-        )
-        if self.telemetry.record_content:
-            attrs["gen_ai.completion"] = text
-        parent = gen.ctx.span if gen.ctx is not None else None
-        if parent is not None:
-            parent.set_attributes(attrs)
-        self.telemetry.phase_spans(last.timings, attrs, parent=parent)
-        return usage_body(
-            prompt_tokens,
-            last.num_output_tokens,
-            last.num_cached_tokens,
-            last.num_draft_tokens,
-            last.num_accepted_tokens,
-        )
-
-    async def _collect(
-        self,
-        gen: _Gen,
-        d: Decision,
-        source: AsyncIterator[StepOutput],
-        span_attrs: dict[str, Any],
-        prompt_hint: int,
-        ctx: CallContext,
-    ) -> dict[str, Any]:
-        self._enter()
-        try:
-            parts: list[str] = []
-            out = await self._first(source)
-            while True:
-                parts.append(out.text)
-                if out.finish_reason is not None:
-                    break
-                try:
-                    out = await anext(source)
-                except RemoteError as exc:
-                    raise _remote_error(exc) from exc
-            text = "".join(parts)
-            if out.finish_reason == "error":
-                self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "error").inc()
-                raise RouterError(
-                    f"Generation failed: {out.error or 'internal error'}", code="generation_error"
-                )
-            if out.finish_reason == "abort":
-                self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "cancelled").inc()
-                raise UnavailableError(
-                    "Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S
-                )
-            usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
-            body = _body(gen, d.tier, text, out.finish_reason, usage)
-            if self.cache is not None and not ctx.no_cache and out.finish_reason == "stop":
-                await self.cache.store(gen, ctx, self, body, d, usage)
-            return body
-        finally:
-            await _aclose(source)
-            self._leave()
-
-    async def _sse(
-        self,
-        gen: _Gen,
-        d: Decision,
-        source: AsyncIterator[StepOutput],
-        span_attrs: dict[str, Any],
-        prompt_hint: int,
-        ctx: CallContext,
-    ) -> AsyncIterator[bytes]:
-        # Wait for the first token before the response starts, so a queue timeout is still a 503.
-        self._enter()
-        try:
-            first = await self._first(source)
-        except BaseException:
-            await _aclose(source)
-            self._leave()
-            raise
-        return _Stream(self._sse_body(gen, d, source, first, span_attrs, prompt_hint, ctx), self._leave)
-
-    async def _sse_body(
-        self,
-        gen: _Gen,
-        d: Decision,
-        source: AsyncIterator[StepOutput],
-        first: StepOutput,
-        span_attrs: dict[str, Any],
-        prompt_hint: int,
-        ctx: CallContext,
-    ) -> AsyncGenerator[bytes, None]:
-        cid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
-        created = now()
-        texts: list[str] = []
-        try:
-            if gen.kind == "chat":
-                yield _sse_event(
-                    _chunk(gen, cid, created, d.tier, {"role": "assistant", "content": ""}, None)
-                )
-            out = first
-            while True:
-                if out.finish_reason == "error":
-                    self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "error").inc()
-                    err = RouterError(
-                        f"Generation failed: {out.error or 'internal error'}", code="generation_error"
-                    )
-                    yield _sse_event(err.to_body())
-                    return
-                if out.text:
-                    texts.append(out.text)
-                    delta = {"content": out.text} if gen.kind == "chat" else out.text
-                    yield _sse_event(_chunk(gen, cid, created, d.tier, delta, None))
-                if out.finish_reason is not None:
-                    break
-                try:
-                    out = await anext(source)
-                except RemoteError as exc:
-                    yield _sse_event(_remote_error(exc).to_body())
-                    return
-            if out.finish_reason == "abort":
-                self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "cancelled").inc()
-                return
-            text = "".join(texts)
-            usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
-            empty: Any = {} if gen.kind == "chat" else ""
-            yield _sse_event(_chunk(gen, cid, created, d.tier, empty, out.finish_reason))
-            if gen.include_usage:
-                yield _sse_event(
-                    {
-                        "id": cid,
-                        "object": _obj(gen, True),
-                        "created": created,
-                        "model": d.tier,
-                        "choices": [],
-                        "usage": usage,
-                    }
-                )
-            yield b"data: [DONE]\n\n"
-            if self.cache is not None and not ctx.no_cache and out.finish_reason == "stop":
-                await self.cache.store(
-                    gen, ctx, self, _body(gen, d.tier, text, out.finish_reason, usage), d, usage
-                )
-        finally:
-            await _aclose(source)  # client gone mid-stream: this aborts the engine request
-
     # -- draining ------------------------------------------------------------------------------
     def _enter(self) -> None:
         self.in_flight += 1
@@ -580,101 +368,7 @@ class RouterService:
             return False
 
 
-class _Stream:
-    """An SSE body whose end is accounted exactly once, however the response ends.
-
-    The HTTP layer may drop a response before iterating it (the client left while the first token
-    was being produced); an async generator that never started runs no ``finally``, so the
-    in-flight count would leak. ``on_close`` runs on exhaustion, on ``aclose()``, or at the latest
-    when the object is collected. (The engine request itself is aborted by the source generator's
-    own cleanup, which asyncio runs for started generators that are dropped.)
-    """
-
-    def __init__(self, body: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
-        self._body = body
-        self._on_close: Callable[[], None] | None = on_close
-
-    def __aiter__(self) -> _Stream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await anext(self._body)
-        except BaseException:
-            await self.aclose()
-            raise
-
-    def _close_sync(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-    async def aclose(self) -> None:
-        try:
-            await self._body.aclose()
-        finally:
-            self._close_sync()
-
-    def __del__(self) -> None:
-        self._close_sync()
-
-
 def _struct_to_dict(obj: Any) -> dict[str, Any]:
     import msgspec
 
     return msgspec.to_builtins(obj)
-
-
-async def _aclose(source: AsyncIterator[StepOutput]) -> None:
-    close = getattr(source, "aclose", None)
-    if close is not None:
-        with contextlib.suppress(Exception):
-            await close()
-
-
-def _remote_error(exc: RemoteError) -> RouterError:
-    if exc.status_code in (503, 504):
-        return UnavailableError(str(exc), code="upstream_unavailable", retry_after=RETRY_AFTER_S)
-    err = RouterError(str(exc), code="upstream_error")
-    err.status_code = 502
-    return err
-
-
-def _obj(gen: _Gen, chunk: bool) -> str:
-    if gen.kind == "chat":
-        return "chat.completion.chunk" if chunk else "chat.completion"
-    return "text_completion"
-
-
-def _chunk(gen: _Gen, cid: str, created: int, model: str, delta: Any, finish: str | None) -> dict[str, Any]:
-    if gen.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-    return {"id": cid, "object": _obj(gen, True), "created": created, "model": model, "choices": [choice]}
-
-
-def _sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def _body(gen: _Gen, model: str, text: str, finish: str | None, usage: dict[str, Any]) -> dict[str, Any]:
-    if gen.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        cid = completion_id("chatcmpl")
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        cid = completion_id("cmpl")
-    return {
-        "id": cid,
-        "object": _obj(gen, False),
-        "created": now(),
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }

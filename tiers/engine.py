@@ -13,19 +13,19 @@ forward, and ``accept_draft`` decides per sequence. k comes from ``SpecControlle
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiers.model_runner import ModelRunner, RowInput
 from tiers.output import IncrementalDetokenizer, StepOutput
+from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle
 from tiers.sampling import apply_penalties, probs_from_logits, sample_rows
 from tiers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -38,69 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "EngineFullError", "EngineLoad", "EngineObserver", "RequestHandle"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineFullError(RuntimeError):
-    """The engine's waiting queue is full; the caller should shed load (429)."""
-
-
-class EngineObserver(Protocol):
-    def on_step(self, tier: str, kind: str, num_seqs: int, seconds: float) -> None: ...
-    def on_spec(self, tier: str, drafted: int, accepted: int) -> None: ...
-    def on_finish(self, tier: str, seq: Sequence) -> None: ...
-
-
-@dataclass(slots=True)
-class EngineLoad:
-    num_running: int
-    num_waiting: int
-    max_num_seqs: int
-    max_waiting: int
-    kv_tokens: int
-    kv_capacity: int
-
-    @property
-    def is_full(self) -> bool:
-        return self.num_waiting >= self.max_waiting + max(0, self.max_num_seqs - self.num_running)
-
-
-class RequestHandle:
-    """The asyncio side of one request: iterate for outputs, ``abort()`` to cancel."""
-
-    def __init__(self, engine: Engine, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = engine
-        self.seq = seq
-        self._loop = loop
-        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self.finished = False
-
-    @property
-    def request_id(self) -> int:
-        return self.seq.seq_id
-
-    def _push(self, out: StepOutput) -> None:  # runs on the event loop
-        self._queue.put_nowait(out)
-
-    def _push_threadsafe(self, out: StepOutput) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(self._push, out)
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.engine.abort(self.seq)
-
-    async def __aiter__(self) -> AsyncIterator[StepOutput]:
-        try:
-            while True:
-                out = await self._queue.get()
-                if out.finish_reason is not None:
-                    self.finished = True
-                yield out
-                if self.finished:
-                    return
-        finally:
-            if not self.finished:  # the consumer went away (client disconnect, cancellation)
-                self.abort()
 
 
 @dataclass(slots=True)

@@ -1,0 +1,112 @@
+"""OpenAI's server-sent-event and response shapes, for live and cached answers alike."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from router.schemas import completion_id, now
+
+__all__ = ["SSEStream", "chunk", "completion_body", "object_name", "replay", "sse_event"]
+
+
+def object_name(kind: str, *, chunk: bool) -> str:
+    if kind == "chat":
+        return "chat.completion.chunk" if chunk else "chat.completion"
+    return "text_completion"
+
+
+def chunk(kind: str, cid: str, created: int, model: str, delta: Any, finish: str | None) -> dict[str, Any]:
+    """One streamed chunk: ``delta`` is a chat delta dict, or the text for completions."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    choice["delta" if kind == "chat" else "text"] = delta
+    return {
+        "id": cid,
+        "object": object_name(kind, chunk=True),
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def completion_body(
+    kind: str, model: str, text: str, finish: str | None, usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The non-streaming response body."""
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    cid = completion_id("chatcmpl" if kind == "chat" else "cmpl")
+    return {
+        "id": cid,
+        "object": object_name(kind, chunk=False),
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+async def replay(kind: str, body: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    """A stored answer as the same SSE sequence a live stream produces."""
+    cid, created, model = body["id"], body["created"], body["model"]
+    first = body["choices"][0]
+    text = first["message"]["content"] if kind == "chat" else first["text"]
+    if kind == "chat":
+        yield sse_event(chunk(kind, cid, created, model, {"role": "assistant", "content": ""}, None))
+    yield sse_event(chunk(kind, cid, created, model, {"content": text} if kind == "chat" else text, None))
+    yield sse_event(chunk(kind, cid, created, model, {} if kind == "chat" else "", first["finish_reason"]))
+    if include_usage:
+        usage_chunk = {"id": cid, "object": object_name(kind, chunk=True), "created": created, "model": model}
+        yield sse_event({**usage_chunk, "choices": [], "usage": body["usage"]})
+    yield b"data: [DONE]\n\n"
+
+
+class SSEStream:
+    """An SSE body whose end is accounted exactly once, however the response ends.
+
+    The HTTP layer may drop a response before iterating it (the client left while the first token
+    was being produced); an async generator that never started runs no ``finally``, so the
+    in-flight count would leak. ``on_close`` runs on exhaustion, on ``aclose()``, or at the latest
+    when the object is collected. (The engine request itself is aborted by the source generator's
+    own cleanup, which asyncio runs for started generators that are dropped.)
+    """
+
+    def __init__(self, body: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        self._body = body
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __aiter__(self) -> SSEStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await anext(self._body)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def _close_sync(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()
+        finally:
+            self._close_sync()
+
+    def __del__(self) -> None:
+        self._close_sync()
