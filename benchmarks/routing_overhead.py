@@ -2,8 +2,10 @@
 against ``GET /healthz`` (the same server and HTTP stack doing nothing) as the baseline, at
 1, 10 and 50 concurrent clients on loopback.
 
-Two views per request: client-observed latency (includes the client and queueing on the same two
-cores) and server-side time from the ``Server-Timing: app;dur=`` header (time inside the app).
+Three views per request: client-observed latency (includes the client and queueing on the same
+two cores), time inside the app from ``Server-Timing: app;dur=`` (HTTP parse to response start,
+including waits behind other requests on the event loop), and the decision itself from
+``route;dur=`` (classify + decide + response body).
 Writes benchmarks/results/routing_overhead.{json,png}.
 
     python -m benchmarks.routing_overhead [--policy policies/default.yaml] [--requests 3000]
@@ -39,6 +41,7 @@ async def drive(
 ) -> dict[str, Any]:
     client_ms: list[float] = []
     server_ms: list[float] = []
+    route_ms: list[float] = []
     errors = 0
     counter = iter(range(total))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -55,9 +58,10 @@ async def drive(
             client_ms.append((time.perf_counter() - started) * 1000)
             if r.status_code != 200:
                 errors += 1
-            timing = r.headers.get("server-timing", "")
-            if "dur=" in timing:
-                server_ms.append(float(timing.split("dur=")[1].split(",")[0]))
+            for part in r.headers.get("server-timing", "").split(","):
+                name, _, dur = part.strip().partition(";dur=")
+                if dur:
+                    (server_ms if name == "app" else route_ms).append(float(dur))
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as c:
         await c.get("/healthz")
@@ -75,6 +79,8 @@ async def drive(
         out.update(
             {"server_p50_ms": percentile(server_ms, 0.5), "server_p99_ms": percentile(server_ms, 0.99)}
         )
+    if route_ms:
+        out.update({"decision_p50_ms": percentile(route_ms, 0.5), "decision_p99_ms": percentile(route_ms, 0.99)})
     return out
 
 

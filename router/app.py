@@ -187,6 +187,7 @@ async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> api_
     responses={200: ResponseSpec(api_types.RouteDecision), **_ERRORS},
 )
 async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[Any]:
+    started = time.perf_counter()
     service = _service(request)
     if data.messages is None and data.prompt is None:
         raise BadRequestError("Give 'messages' or 'prompt'.", param="messages")
@@ -200,6 +201,8 @@ async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[An
         "x-router-tier": info["tier"],
         "x-router-score": f"{info['score']:.4f}",
         "x-router-rule": info["rule"],
+        # The decision's own cost (classify + decide), apart from the app's total in `app;dur`.
+        "server-timing": f"route;dur={(time.perf_counter() - started) * 1000:.3f}",
     }
     return Response(content=info, headers=headers)
 
@@ -367,8 +370,15 @@ def _with_server_timing(send: Any) -> Any:
     async def wrapper(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             dur = (time.perf_counter() - started) * 1000
-            timing = (b"server-timing", f"app;dur={dur:.3f}".encode())
-            message = dict(message, headers=[*message.get("headers", []), timing])
+            headers = list(message.get("headers", []))
+            value = f"app;dur={dur:.3f}".encode()
+            for i, (k, v) in enumerate(headers):
+                if k.lower() == b"server-timing":
+                    headers[i] = (k, v + b", " + value)
+                    break
+            else:
+                headers.append((b"server-timing", value))
+            message = dict(message, headers=headers)
         await send(message)
 
     return wrapper
