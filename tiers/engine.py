@@ -47,8 +47,6 @@ class _Tracked:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     pending_tokens: list[int] = field(default_factory=list)
-    drafted: int = 0
-    accepted: int = 0
 
 
 class Engine:
