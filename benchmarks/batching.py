@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.common import PROMPTS, plot_path, rss_mb, write_json
+from benchmarks.common import PROMPTS, encode_chat, plot_path, rss_mb, write_json
 
 NEW_TOKENS = 64
 
@@ -37,14 +37,7 @@ def main() -> None:
     loaded, engine = result
     engine.attach(worker)
     tok = loaded.tokenizer
-    ids = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-            )["input_ids"]
-        )
-        for p in PROMPTS
-    ]
+    ids = encode_chat(tok, PROMPTS)
 
     rows: list[dict[str, Any]] = []
     for c in levels:

@@ -36,6 +36,17 @@ PROMPTS = [
 ]
 
 
+def encode_chat(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as a one-turn chat, through the model's own template."""
+    out = []
+    for p in prompts:
+        enc = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )
+        out.append(list(enc["input_ids"]))
+    return out
+
+
 def machine() -> dict[str, Any]:
     import torch
 

@@ -80,7 +80,9 @@ async def drive(
             {"server_p50_ms": percentile(server_ms, 0.5), "server_p99_ms": percentile(server_ms, 0.99)}
         )
     if route_ms:
-        out.update({"decision_p50_ms": percentile(route_ms, 0.5), "decision_p99_ms": percentile(route_ms, 0.99)})
+        out.update(
+            {"decision_p50_ms": percentile(route_ms, 0.5), "decision_p99_ms": percentile(route_ms, 0.99)}
+        )
     return out
 
 

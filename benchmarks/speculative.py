@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Any
 
-from benchmarks.common import plot_path, write_json
+from benchmarks.common import encode_chat, plot_path, write_json
 
 NEW_TOKENS = 96
 PROMPTS = [
@@ -37,14 +37,7 @@ def main() -> None:
     plain.attach(worker)
     spec.attach(worker)
     tok = target.tokenizer
-    ids = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-            )["input_ids"]
-        )
-        for p in PROMPTS
-    ]
+    ids = encode_chat(tok, PROMPTS)
     rows = []
     for batch_size in (1, 4, 16):
         batch = [ids[i % len(ids)] for i in range(batch_size)]

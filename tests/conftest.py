@@ -1,9 +1,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tiers.device import DeviceWorker
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,3 +33,13 @@ def embedded_model_dir() -> Path:
     from tiers.loading import materialize_embedded
 
     return materialize_embedded("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[DeviceWorker]:
+    """The one device thread a test module's engines run on."""
+    from tiers.device import DeviceWorker
+
+    w = DeviceWorker()
+    yield w
+    w.stop()

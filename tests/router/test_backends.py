@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,6 @@ from router.errors import PolicyError
 from router.policy.loader import parse_policy
 from tests.fixtures import build_tiny_model
 from tiers.device import DeviceWorker
-
-
-@pytest.fixture(scope="module")
-def worker() -> Iterator[DeviceWorker]:
-    w = DeviceWorker()
-    yield w
-    w.stop()
 
 
 @pytest.fixture(scope="module")

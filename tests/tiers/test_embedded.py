@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ QUESTIONS = [
     "Translate 'good morning' to Spanish.",
     "Give me a tip for learning Python.",
 ]
-
-
-@pytest.fixture(scope="module")
-def worker() -> Iterator[DeviceWorker]:
-    w = DeviceWorker()
-    yield w
-    w.stop()
 
 
 def build(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +12,6 @@ from tests.fixtures import make_engine
 from tiers.device import DeviceWorker
 from tiers.engine import Engine, EngineFullError
 from tiers.sequence import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def worker() -> Iterator[DeviceWorker]:
-    w = DeviceWorker()
-    yield w
-    w.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,6 @@ from tiers.device import DeviceWorker
 from tiers.engine import Engine
 from tiers.sequence import SamplingParams
 from tiers.speculative import SpecController, accept_draft
-
-
-@pytest.fixture(scope="module")
-def worker() -> Iterator[DeviceWorker]:
-    w = DeviceWorker()
-    yield w
-    w.stop()
 
 
 @pytest.fixture(scope="module")
