@@ -9,7 +9,10 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.policy.schema import Policy
 
 __all__ = ["main"]
 
@@ -23,14 +26,23 @@ def _policy_error_exit(exc: Exception) -> int:
     return 2
 
 
-def cmd_policy_check(args: argparse.Namespace) -> int:
+def _load_policy(path: str) -> Policy | None:
+    """The validated policy, or None after printing every error (callers exit 2)."""
     from router.errors import PolicyError
     from router.policy.loader import load_policy
 
     try:
-        policy = load_policy(args.file)
+        return load_policy(path)
     except PolicyError as exc:
-        return _policy_error_exit(exc)
+        _policy_error_exit(exc)
+        return None
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+
+    policy = _load_policy(args.file)
+    if policy is None:
+        return 2
     print(
         f"{args.file}: valid (version {policy.version}, tiers: {', '.join(policy.tiers)}, "
         f"{len(policy.routing.rules)} rules)"
@@ -40,14 +52,12 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 def cmd_route(args: argparse.Namespace) -> int:
     from classifier import ComplexityClassifier
-    from router.errors import PolicyError, RouterError
+    from router.errors import RouterError
     from router.policy.decide import RouteRequest, decide
-    from router.policy.loader import load_policy
 
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as exc:
-        return _policy_error_exit(exc)
+    policy = _load_policy(args.policy)
+    if policy is None:
+        return 2
     clf = ComplexityClassifier.load(policy.service.classifier.path)
     score = clf.score(args.prompt)
     headers = dict(h.lower().split(":", 1) for h in args.header) if args.header else {}
@@ -79,14 +89,11 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
 def cmd_models_prepare(args: argparse.Namespace) -> int:
-    from router.errors import PolicyError
-    from router.policy.loader import load_policy
     from tiers.loading import ModelLoadError, materialize_embedded
 
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as exc:
-        return _policy_error_exit(exc)
+    policy = _load_policy(args.policy)
+    if policy is None:
+        return 2
     names = sorted(
         {t.model.removeprefix("embedded:") for t in policy.tiers.values() if t.model.startswith("embedded:")}
     )
