@@ -130,6 +130,11 @@ class Engine:
         self._wakeup()
         return handle
 
+    def submit_n(self, prompt_token_ids: list[int], params: list[SamplingParams]) -> list[RequestHandle]:
+        """``n > 1``: one sequence per entry of ``params`` over the same prompt (each its own seed
+        and constraint); they share the prompt's KV."""
+        return [self.submit(prompt_token_ids, p) for p in params]
+
     def abort(self, seq: Sequence) -> None:
         seq.abort_requested = True
         self._inbox.put(("abort", seq))

@@ -5,7 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "StepOutput"]
+__all__ = ["IncrementalDetokenizer", "StepOutput", "TokenLogprob"]
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the distribution it was sampled from (after
+    temperature, penalties, bias and masks: the request's own distribution, as vLLM reports
+    ``processed_logprobs``), with the ``top`` most likely alternatives ``(token_id, logprob)``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -21,6 +32,8 @@ class StepOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per token in ``token_ids`` when the request asked for logprobs."""
     timings: dict[str, float] = field(default_factory=dict)
 
 

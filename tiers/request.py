@@ -35,6 +35,9 @@ class EngineLoad:
     max_waiting: int
     kv_tokens: int
     kv_capacity: int
+    predicted_wait_s: float = 0.0
+    """The engine's estimate of how long a request submitted now waits for its first token
+    (queue ahead of it, measured step times); admission compares it with the request's deadline."""
 
     @property
     def is_full(self) -> bool:

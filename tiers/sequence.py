@@ -13,6 +13,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tiers.constraint import TokenConstraint
 
 __all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
@@ -65,6 +69,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL-style, over prompt and output: positive logits divided by it, negative multiplied."""
     ignore_eos: bool = False
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's (vLLM's extension)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI ``logit_bias``: ``(token_id, bias)`` pairs added to the raw logits, bias in [-100, 100]."""
+    logprobs: int | None = None
+    """None: no logprobs. 0..20: return each sampled token's logprob plus this many top alternatives."""
+    constraint: TokenConstraint | None = None
+    """A grammar matcher (structured outputs, tool calls): masks each step's logits; see ``tiers/constraint.py``."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -96,6 +108,21 @@ class SamplingParams:
                 "must be in (0, 10]",
             ),
         ]
+        checks.append(("min_p", math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"))
+        checks.append(
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            )
+        )
+        checks.append(
+            (
+                "logit_bias",
+                all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in self.logit_bias),
+                "values must be in [-100, 100]",
+            )
+        )
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
