@@ -1,5 +1,14 @@
-"""Optional API-key auth. Keys come from an environment variable or a file (a mounted Secret),
-never from the policy in clear. Each key may name its tenant: ``key`` or ``key:tenant``.
+"""API-key auth, fail-closed. The policy states the mode (``service.auth.mode``):
+
+- ``keys`` (the default): every API request needs ``Authorization: Bearer <key>``. Keys come from
+  an environment variable or a file (a mounted Secret), never from the policy in clear; each may
+  name its tenant (``key`` or ``key:tenant``). With no key loaded the service refuses to start.
+  The file is re-read when it changes, so a rotated or revoked key takes effect without a restart.
+- ``open``: no auth, for a development server on loopback (``make run``).
+
+The tenant comes from the key only. ``x-tenant`` is honoured solely behind an explicit
+``trust_tenant_header`` (a gateway in front authenticates callers and sets it), and then only
+when the key names no tenant.
 """
 
 from __future__ import annotations
@@ -8,22 +17,43 @@ import hashlib
 import hmac
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from router.policy.schema import Policy
+from router.errors import PolicyError, PolicyIssue
 
-__all__ = ["ApiKeys"]
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from router.policy.schema import AuthConfig, Policy
+
+__all__ = ["ApiKeys", "Authenticator", "Caller"]
 
 log = logging.getLogger(__name__)
+
+MAX_TENANT_CHARS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: str | None
+    principal: str | None
+    """The identity rate limits count against: the tenant, else the key's fingerprint."""
 
 
 class ApiKeys:
     def __init__(self, entries: dict[str, str | None]) -> None:
         # Store digests: comparisons run over fixed-length values in constant time, and a heap dump
-        # does not hold the keys themselves.
-        self._entries = [(hashlib.sha256(k.encode()).digest(), tenant) for k, tenant in entries.items()]
+        # does not hold the keys themselves. The fingerprint (a digest prefix) names a tenant-less
+        # key in rate limits without revealing it.
+        self._entries = []
+        for key, tenant in entries.items():
+            digest = hashlib.sha256(key.encode()).digest()
+            self._entries.append((digest, tenant, "key-" + digest.hex()[:12]))
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     @property
     def enabled(self) -> bool:
@@ -37,34 +67,142 @@ class ApiKeys:
             if not item or item.startswith("#"):
                 continue
             key, _, tenant = item.partition(":")
-            out[key.strip()] = tenant.strip() or None
+            if key.strip():
+                out[key.strip()] = tenant.strip() or None
         return out
 
     @classmethod
     def from_policy(cls, policy: Policy) -> ApiKeys:
-        auth = policy.service.auth
-        entries: dict[str, str | None] = {}
-        if auth.api_keys_env:
-            entries.update(cls.parse(os.environ.get(auth.api_keys_env, "")))
-            if not entries:
-                log.warning("auth: $%s is empty or unset; no keys from it", auth.api_keys_env)
-        if auth.api_keys_file:
-            try:
-                entries.update(cls.parse(Path(auth.api_keys_file).read_text(encoding="utf-8")))
-            except OSError as exc:
-                log.error("auth: cannot read api_keys_file %s: %s", auth.api_keys_file, exc)
+        entries, _ = load_entries(policy.service.auth)
         return cls(entries)
+
+    def lookup(self, authorization: str | None) -> tuple[str | None, str] | None:
+        """``(tenant, fingerprint)`` of the presented key, or None when it is missing or wrong."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        match: tuple[str | None, str] | None = None
+        for stored, tenant, fingerprint in self._entries:  # no early exit: time does not say which matched
+            if hmac.compare_digest(stored, digest):
+                match = (tenant, fingerprint)
+        return match
 
     def authenticate(self, authorization: str | None) -> str | bool | None:
         """The key's tenant (or None when it names none), or False when the key is missing or wrong."""
-        if not authorization:
+        found = self.lookup(authorization)
+        return False if found is None else found[0]
+
+
+def load_entries(auth: AuthConfig) -> tuple[dict[str, str | None], list[str]]:
+    """Keys from every configured source, and a line per source that yielded none (and why)."""
+    entries: dict[str, str | None] = {}
+    problems: list[str] = []
+    if auth.api_keys_env:
+        found = ApiKeys.parse(os.environ.get(auth.api_keys_env, ""))
+        if not found:
+            problems.append(f"${auth.api_keys_env} is unset or empty")
+        entries.update(found)
+    if auth.api_keys_file:
+        try:
+            found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"api_keys_file {auth.api_keys_file} cannot be read ({type(exc).__name__})")
+        else:
+            if not found:
+                problems.append(f"api_keys_file {auth.api_keys_file} holds no key")
+            entries.update(found)
+    if not auth.api_keys_env and not auth.api_keys_file:
+        problems.append("neither service.auth.api_keys_env nor service.auth.api_keys_file is set")
+    return entries, problems
+
+
+class Authenticator:
+    """The policy's auth mode with its live key set."""
+
+    def __init__(self, auth: AuthConfig, keys: ApiKeys, source: str = "") -> None:
+        self.config = auth
+        self.keys = keys
+        self.source = source
+        self._file_text = self._read_file()
+
+    @property
+    def open(self) -> bool:
+        return self.config.mode == "open"
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> Authenticator:
+        """Raises ``PolicyError`` (naming the key sources) when keys are required and none loads."""
+        auth = policy.service.auth
+        if auth.mode == "open":
+            return cls(auth, ApiKeys({}), policy.source)
+        entries, problems = load_entries(auth)
+        if not entries:
+            raise PolicyError(
+                policy.source,
+                [
+                    PolicyIssue(
+                        "service.auth",
+                        "mode is 'keys' but no API key could be loaded: "
+                        + "; ".join(problems)
+                        + " (set the keys, or mode: open for a loopback development server)",
+                    )
+                ],
+            )
+        for problem in problems:
+            log.warning("auth: %s", problem)
+        return cls(auth, ApiKeys(entries), policy.source)
+
+    def _read_file(self) -> str | None:
+        if not self.config.api_keys_file:
+            return None
+        try:
+            return Path(self.config.api_keys_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def refresh(self) -> bool:
+        """Re-read the keys file when it changed; True when the key set was replaced.
+
+        A file that cannot be read (mid-swap, briefly unmounted) keeps the current keys; a file that
+        reads but holds no key revokes them all (fail closed: every request gets 401).
+        """
+        if self.open or not self.config.api_keys_file:
             return False
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        # Read it whole each time (a few hundred bytes): a Kubernetes Secret update swaps a symlink,
+        # which neither the path's mtime nor an inotify watch on it reliably shows.
+        text = self._read_file()
+        if text is None:
+            if self._file_text is not None:
+                log.error(
+                    "auth: api_keys_file %s cannot be read; keeping the current keys",
+                    self.config.api_keys_file,
+                )
+            self._file_text = None
             return False
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        match: str | bool | None = False
-        for stored, tenant in self._entries:  # no early exit: time does not depend on which key matched
-            if hmac.compare_digest(stored, digest):
-                match = tenant
-        return match
+        if text == self._file_text:
+            return False
+        self._file_text = text
+        entries, _ = load_entries(self.config)
+        if not entries:
+            log.error("auth: %s holds no key; every request is refused", self.config.api_keys_file)
+        self.keys = ApiKeys(entries)
+        log.info("auth: %d API key(s) loaded from %s", len(self.keys), self.config.api_keys_file)
+        return True
+
+    def authenticate(self, headers: Mapping[str, str]) -> Caller | None:
+        """The caller, or None when a key is required and missing or wrong (401)."""
+        header_tenant = None
+        if self.config.trust_tenant_header:
+            raw = headers.get("x-tenant", "").strip()
+            header_tenant = raw[:MAX_TENANT_CHARS] or None
+        if self.open:
+            return Caller(header_tenant, header_tenant)
+        found = self.keys.lookup(headers.get("authorization"))
+        if found is None:
+            return None
+        tenant, fingerprint = found
+        tenant = tenant or header_tenant
+        return Caller(tenant, tenant or fingerprint)

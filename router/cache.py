@@ -1,19 +1,26 @@
-"""Response cache, checked before classification: exact match, then semantic match.
+"""Response cache, looked up *after* the routing decision: exact match, then semantic match.
 
-- Exact: a sha256 over the normalized request (messages or prompt, requested model, every sampling
-  parameter that changes the output), partitioned by tenant and by policy version.
-- Semantic: an embedding of the last user turn (all-MiniLM-L6-v2, see ``router.embedder``)
-  compared by cosine similarity within the same partition and the same request shape; a hit
-  needs ``service.cache.semantic.threshold``.
+- Exact: a sha256 over everything that changes the answer: the tier the policy chose and that
+  tier's model configuration (weights, quantization, generation defaults), the whole request as
+  parsed (every message with its role and fields, every sampling, tool or format option) apart
+  from transport fields (``stream``, ``stream_options``, ``user``) and the requested ``model``
+  name (the decision already says which model answers), partitioned by tenant.
+- Semantic: an embedding of the final user message (all-MiniLM-L6-v2, see ``router.embedder``)
+  compared by cosine similarity only inside the same scope: same tenant, tier, request shape and
+  every earlier message. A conversation whose last message is not the user's (a tool result, an
+  assistant prefill) never matches semantically, and neither does a prompt longer than the
+  embedder's window (it would be compared on its truncated head).
 
-Only deterministic requests (temperature 0, unless ``cache_sampled``) are cached; errors and
-truncated answers (finish_reason ``length``) never are. Streamed answers are stored once complete
-and served back as a proper SSE stream.
+Only deterministic requests (temperature 0, unless ``cache_sampled``) are cached; errors,
+truncated answers (finish_reason ``length``) and answers from a load fallback never are. Streamed
+answers are stored once complete and served back as a proper SSE stream. A store that fails
+(Redis down or stalled past its timeout) is a miss, counted in ``router_cache_errors_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,20 +30,26 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from router.schemas import completion_id, now
-from router.sse import replay
+import msgspec
+
+from router.calls import CachedAnswer
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from router.calls import CallContext, Generation
     from router.embedder import Embedder
     from router.policy.decide import Decision
-    from router.policy.schema import CacheConfig, Policy
-    from router.service import CallContext, Completion, RouterService, _Gen
+    from router.policy.schema import CacheConfig, Policy, TierConfig
+    from router.telemetry import Telemetry
 
-__all__ = ["MemoryStore", "RedisStore", "ResponseCache", "build_cache"]
+__all__ = ["CacheKey", "MemoryStore", "RedisStore", "ResponseCache", "build_cache"]
 
 log = logging.getLogger(__name__)
+
+# Request fields that do not change the answer: how it is delivered, who asked, and the model name
+# (the decision, which is part of the key, says which model answers).
+_TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "user", "model", "metadata", "store"})
 
 
 class Store(Protocol):
@@ -77,172 +90,219 @@ class MemoryStore:
 
 
 class RedisStore:
-    """Exact-match entries shared by every replica through Redis (JSON values, native TTL)."""
+    """Exact-match entries shared by every replica through Redis (JSON values, native TTL).
 
-    def __init__(self, url: str, prefix: str = "tiered-router:cache:") -> None:
+    Every call is bounded by ``timeout_s`` (connect and socket): a partitioned or stalled Redis
+    costs a request at most that long, and after a failure Redis is skipped for ``backoff_s`` so
+    the requests behind it do not each pay the timeout again.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "tiered-router:cache:",
+        *,
+        timeout_s: float = 0.25,
+        backoff_s: float = 2.0,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         import redis.asyncio as redis
 
-        self._client = redis.from_url(url)
+        self._client = redis.from_url(
+            url,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
         self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.telemetry = telemetry
+        self._skip_until = 0.0
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        # The cache is an optimization: an outage is a miss, logged once per backoff window.
+        if time.monotonic() >= self._skip_until:
+            log.warning("redis cache %s failed (%s); treating as a miss for %.0fs", op, exc, self.backoff_s)
+        self._skip_until = time.monotonic() + self.backoff_s
+        if self.telemetry is not None:
+            self.telemetry.cache_errors.labels(op).inc()
 
     async def get(self, key: str) -> dict[str, Any] | None:
-        try:
-            raw = await self._client.get(self.prefix + key)
-        except Exception as exc:  # the cache is an optimization: a Redis outage is a miss
-            log.warning("redis cache get failed: %s", exc)
+        if time.monotonic() < self._skip_until:
             return None
-        return None if raw is None else json.loads(raw)
+        try:
+            # The client's socket timeout covers reads; wait_for also covers a stalled connect
+            # handshake or a connection-pool wait.
+            raw = await asyncio.wait_for(self._client.get(self.prefix + key), self.timeout_s * 2)
+        except Exception as exc:
+            self._failed("get", exc)
+            return None
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._failed("decode", exc)
+            return None
+        return value if isinstance(value, dict) else None
 
     async def set(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
+        if time.monotonic() < self._skip_until:
+            return
         try:
-            await self._client.set(self.prefix + key, json.dumps(value), px=max(1, int(ttl_s * 1000)))
+            await asyncio.wait_for(
+                self._client.set(self.prefix + key, json.dumps(value), px=max(1, int(ttl_s * 1000))),
+                self.timeout_s * 2,
+            )
         except Exception as exc:
-            log.warning("redis cache set failed: %s", exc)
+            self._failed("set", exc)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        try:
+            await asyncio.wait_for(self._client.aclose(), self.timeout_s * 2)
+        except Exception as exc:  # closing a dead connection must not fail shutdown or a reload
+            log.debug("redis close: %s", exc)
 
 
 @dataclass(slots=True)
 class _SemanticEntry:
     vector: np.ndarray
-    partition: str
+    scope: str
     key: str
     expires: float
 
 
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """Where one decided request's answer lives."""
+
+    exact: str
+    scope: str | None
+    """Semantic scope (tenant, tier, shape, earlier messages), or None: no semantic match."""
+    text: str = ""
+    """The final user message the semantic match compares."""
+
+
+def tier_identity(name: str, cfg: TierConfig) -> list[Any]:
+    """The tier's answer-changing configuration: a policy edit to any of it starts fresh entries."""
+    from router.backends import engine_key
+
+    defaults = cfg.defaults
+    return [name, list(engine_key(cfg)), defaults.max_tokens, defaults.temperature, defaults.top_p]
+
+
+def _valid_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("body"), dict)
+        and all(isinstance(entry.get(k), str) for k in ("tier", "rule", "score"))
+        and isinstance(entry["body"].get("choices"), list)
+        and bool(entry["body"]["choices"])
+    )
+
+
 class ResponseCache:
-    def __init__(self, config: CacheConfig, store: Store, embedder: Embedder | None = None) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        store: Store,
+        embedder: Embedder | None = None,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.config = config
         self.backend = store
         self.embedder = embedder
+        self.telemetry = telemetry
         self._semantic: OrderedDict[str, _SemanticEntry] = OrderedDict()
 
     # -- keys ----------------------------------------------------------------------------------
-    def cacheable(self, gen: _Gen) -> bool:
+    def cacheable(self, gen: Generation) -> bool:
         req = gen.request
         if self.config.cache_sampled:
             return True
         return req.temperature == 0.0 or req.top_k == 1
 
-    @staticmethod
-    def _partition(ctx: CallContext, policy: Policy) -> str:
-        return f"{ctx.tenant or '-'}|{policy.digest[:16]}"
-
-    @staticmethod
-    def _shape(gen: _Gen) -> dict[str, Any]:
-        """Everything but the conversation content that changes the answer."""
-        req = gen.request
-        fields = (
-            "model",
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "stop",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "ignore_eos",
-        )
-        shape = {f: getattr(req, f, None) for f in fields}
-        shape["max_completion_tokens"] = getattr(req, "max_completion_tokens", None)
-        shape["kind"] = gen.kind
-        return shape
-
-    def _key(self, gen: _Gen, partition: str) -> str:
-        content = gen.messages if gen.messages is not None else gen.prompt
-        raw = json.dumps([partition, self._shape(gen), content], sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(raw.encode()).hexdigest()
-
-    def _semantic_scope(self, gen: _Gen, partition: str) -> str:
-        """Semantic hits must agree on everything but the last user turn's wording."""
-        earlier = gen.messages[:-1] if gen.messages else []
-        raw = json.dumps([partition, self._shape(gen), earlier], sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(raw.encode()).hexdigest()
-
-    # -- lookup / store ------------------------------------------------------------------------
-    async def lookup(self, gen: _Gen, ctx: CallContext, service: RouterService) -> Completion | None:
+    def key(self, gen: Generation, ctx: CallContext, tier: str, policy: Policy) -> CacheKey | None:
+        """The key of ``gen`` as decided (``tier``) under ``policy``, or None when not cacheable."""
         if not self.cacheable(gen):
             return None
-        telemetry = service.telemetry
-        with telemetry.span("cache.lookup", parent=ctx.span) as span:
-            partition = self._partition(ctx, service.policy)
-            entry = await self.backend.get(self._key(gen, partition))
+        fields = {k: v for k, v in msgspec.to_builtins(gen.request).items() if k not in _TRANSPORT_FIELDS}
+        content_field = "messages" if gen.kind == "chat" else "prompt"
+        content = fields.pop(content_field, None)
+        head = [ctx.tenant or "-", tier_identity(tier, policy.tiers[tier]), gen.kind, fields]
+        exact = _digest([*head, content])
+        scope = None
+        text = ""
+        if self._semantic_on():
+            if gen.kind == "chat" and gen.messages and gen.messages[-1]["role"] == "user":
+                text = gen.messages[-1]["content"]
+                earlier = content[:-1] if isinstance(content, list) else None
+                scope = _digest([*head, "semantic", earlier])
+            elif gen.kind == "completion" and gen.prompt:
+                text = gen.prompt
+                scope = _digest([*head, "semantic"])
+            assert self.embedder is not None
+            if scope is not None and (not text.strip() or not self.embedder.sees_whole(text)):
+                scope = None  # a truncated embedding would match prompts sharing only a prefix
+        return CacheKey(exact, scope, text)
+
+    def _semantic_on(self) -> bool:
+        return self.config.semantic.enabled and self.embedder is not None
+
+    # -- lookup / store ------------------------------------------------------------------------
+    async def lookup(self, key: CacheKey, parent: Any = None) -> CachedAnswer | None:
+        telemetry = self.telemetry
+        span_cm = telemetry.span("cache.lookup", parent=parent) if telemetry is not None else None
+        with span_cm if span_cm is not None else contextlib.nullcontext() as span:
+            entry = await self.backend.get(key.exact)
             kind = "exact"
             similarity = 1.0
-            if entry is None and self._semantic_enabled(gen):
-                found = await self._semantic_lookup(gen, partition)
+            if not _valid_entry(entry):
+                entry = None
+            if entry is None and key.scope is not None:
+                found = await self._semantic_lookup(key)
                 if found is not None:
-                    key, similarity = found
-                    entry = await self.backend.get(key)
+                    exact, similarity = found
+                    entry = await self.backend.get(exact)
+                    entry = entry if _valid_entry(entry) else None
                     kind = "semantic"
-            span.set_attribute("router.cache", "hit" if entry else "miss")
+            if span is not None:
+                span.set_attribute("router.cache", "hit" if entry else "miss")
             if entry is None:
-                telemetry.cache_misses.inc()
+                if telemetry is not None:
+                    telemetry.cache_misses.inc()
                 return None
-            span.set_attribute("router.cache.kind", kind)
-            span.set_attribute("router.cache.similarity", similarity)
-        telemetry.cache_hits.labels(kind).inc()
-        telemetry.requests.labels(gen.kind, entry["tier"], entry["rule"], "cache_hit").inc()
-        headers = {
-            "x-router-tier": entry["tier"],
-            "x-router-score": entry["score"],
-            "x-router-rule": entry["rule"],
-            "x-router-cache": "hit",
-            "x-router-cache-kind": kind,
-        }
-        if kind == "semantic":
-            headers["x-router-cache-similarity"] = f"{similarity:.4f}"
-        from router.service import Completion
+            if span is not None:
+                span.set_attribute("router.cache.kind", kind)
+                span.set_attribute("router.cache.similarity", similarity)
+        if telemetry is not None:
+            telemetry.cache_hits.labels(kind).inc()
+        return CachedAnswer(entry["body"], entry["tier"], entry["rule"], entry["score"], kind, similarity)
 
-        body = dict(
-            entry["body"], id=completion_id("chatcmpl" if gen.kind == "chat" else "cmpl"), created=now()
-        )
-        if gen.stream:
-            return Completion(headers, stream=replay(gen.kind, body, gen.include_usage))
-        return Completion(headers, body=body)
-
-    def _semantic_enabled(self, gen: _Gen) -> bool:
-        return self.config.semantic.enabled and self.embedder is not None and bool(gen.last_user.strip())
-
-    async def _semantic_lookup(self, gen: _Gen, partition: str) -> tuple[str, float] | None:
+    async def _semantic_lookup(self, key: CacheKey) -> tuple[str, float] | None:
         assert self.embedder is not None
-        scope = self._semantic_scope(gen, partition)
-        vec = await asyncio.to_thread(self.embedder.embed, gen.last_user)
+        vec = await asyncio.to_thread(self.embedder.embed, key.text)
         best: tuple[str, float] | None = None
         t = time.monotonic()
         for entry in list(self._semantic.values()):
-            if entry.expires < t or entry.partition != scope:
+            if entry.expires < t or entry.scope != key.scope:
                 continue
             sim = float(entry.vector @ vec)
             if sim >= self.config.semantic.threshold and (best is None or sim > best[1]):
                 best = (entry.key, sim)
         return best
 
-    async def store(
-        self,
-        gen: _Gen,
-        ctx: CallContext,
-        policy: Policy,
-        body: dict[str, Any],
-        decision: Decision,
-        usage: dict[str, Any],
-    ) -> None:
-        if not self.cacheable(gen):
-            return
-        partition = self._partition(ctx, policy)
-        key = self._key(gen, partition)
+    async def store(self, key: CacheKey, body: dict[str, Any], decision: Decision) -> None:
         entry = {"body": body, "tier": decision.tier, "rule": decision.rule, "score": f"{decision.score:.4f}"}
-        await self.backend.set(key, entry, self.config.ttl_s)
-        if self._semantic_enabled(gen):
-            assert self.embedder is not None
-            vec = await asyncio.to_thread(self.embedder.embed, gen.last_user)
-            self._semantic[key] = _SemanticEntry(
-                vec, self._semantic_scope(gen, partition), key, time.monotonic() + self.config.ttl_s
+        await self.backend.set(key.exact, entry, self.config.ttl_s)
+        if key.scope is not None and self.embedder is not None:
+            vec = await asyncio.to_thread(self.embedder.embed, key.text)
+            self._semantic[key.exact] = _SemanticEntry(
+                vec, key.scope, key.exact, time.monotonic() + self.config.ttl_s
             )
-            self._semantic.move_to_end(key)
+            self._semantic.move_to_end(key.exact)
             while len(self._semantic) > self.config.max_entries:
                 self._semantic.popitem(last=False)
 
@@ -250,7 +310,12 @@ class ResponseCache:
         await self.backend.aclose()
 
 
-def build_cache(policy: Policy) -> ResponseCache | None:
+def _digest(parts: list[Any]) -> str:
+    raw = json.dumps(parts, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def build_cache(policy: Policy, telemetry: Telemetry | None = None) -> ResponseCache | None:
     cfg = policy.service.cache
     if not cfg.enabled:
         return None
@@ -263,7 +328,7 @@ def build_cache(policy: Policy) -> ResponseCache | None:
             )
             store = MemoryStore(cfg.max_entries)
         else:
-            store = RedisStore(url)
+            store = RedisStore(url, timeout_s=cfg.redis_timeout_s, telemetry=telemetry)
     else:
         store = MemoryStore(cfg.max_entries)
     embedder = None
@@ -271,4 +336,4 @@ def build_cache(policy: Policy) -> ResponseCache | None:
         from router.embedder import Embedder
 
         embedder = Embedder.load()
-    return ResponseCache(cfg, store, embedder)
+    return ResponseCache(cfg, store, embedder, telemetry)

@@ -81,6 +81,11 @@ class Embedder:
         threadpool_limits(1, user_api="blas")
         return cls(weights, tok, num_heads=int(config.get("num_attention_heads", 12)))
 
+    def sees_whole(self, text: str) -> bool:
+        """True when ``text`` fits the model's window; longer texts are embedded by their head only,
+        so two prompts sharing a long prefix would look identical."""
+        return not self.tokenizer.encode(text or " ").overflowing  # type: ignore[attr-defined]
+
     def embed(self, text: str) -> np.ndarray:
         """Unit-norm embedding ``[384]`` of ``text`` (mean pooling, as sentence-transformers does)."""
         ids = np.asarray(self.tokenizer.encode(text or " ").ids, dtype=np.int64)  # type: ignore[attr-defined]

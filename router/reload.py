@@ -1,12 +1,17 @@
 """Policy hot reload: watch the file, validate, build what changed, swap atomically.
 
 The file is polled by content hash, which also sees Kubernetes ConfigMap updates (an atomic swap
-of the ``..data`` symlink: the path stays, its target changes). A valid edit that only touches
-routing, tenants or service settings swaps the policy object at once; an edit that changes a
-tier's engine (model, precision, sizes, draft) builds the new engines in the background while the
-old ones keep serving, then swaps, then retires the old engines when their last request is done.
-A broken edit changes nothing: the errors are logged and ``router_policy_reload_failures_total``
-rises. Requests already decided keep their tier and finish under the policy they started with.
+of the ``..data`` symlink: the path stays, its target changes). Everything the policy configures
+is rebuilt from the new file before anything is swapped: the API keys (a keys mode with no key
+loadable rejects the edit), tier engines when a tier's engine changed (model, precision, sizes,
+draft: built in the background while the old ones keep serving, retired when their last request
+is done), the response cache when its settings changed, the classifier when its path changed, and
+telemetry's ``record_content``; ``max_body_bytes`` and routing are read live from the policy. Then
+all of it is swapped in one step on the event loop. A broken edit changes nothing: the errors are
+logged and ``router_policy_reload_failures_total`` rises. Requests already decided keep their
+tier and finish under the policy they started with (their cache entry is keyed on that decision).
+
+The same loop re-reads the API keys file, so rotated and revoked keys apply within a tick.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.auth import ApiKeys
+from router.auth import Authenticator
 from router.backends import LocalTier, build_tiers, engine_key
 from router.errors import PolicyError
 from router.policy.loader import parse_policy
@@ -47,27 +52,56 @@ def _needs_new_engines(old: Policy, new: Policy) -> bool:
 
 
 async def apply_policy(app: Any, new: Policy) -> None:
-    """Swap ``new`` in (building engines first when needed). Raises on failure, changing nothing."""
+    """Swap ``new`` in, with everything it configures built first. Raises on failure (a
+    ``PolicyError`` for a policy that cannot run, e.g. keys mode with no key), changing nothing."""
     state = app.state
     service: RouterService = state.service
     old_policy = service.policy
     old_tiers = service.tiers
+    auth = Authenticator.from_policy(new)  # first: a keys mode without keys must not swap anything
+    cache = service.cache
+    if new.service.cache != old_policy.service.cache:
+        from router.cache import build_cache
+
+        cache = await asyncio.to_thread(build_cache, new, state.telemetry)
+    classifier = service.classifier
+    if new.service.classifier.path != old_policy.service.classifier.path and not getattr(
+        state, "classifier_injected", False
+    ):
+        from classifier import ComplexityClassifier
+
+        classifier = await asyncio.to_thread(ComplexityClassifier.load, new.service.classifier.path)
+    tiers = old_tiers
+    retired: list[Any] = []
     if old_tiers is not None and _needs_new_engines(old_policy, new):
         log.info("policy reload: tier engines changed; building them in the background")
         tiers = await asyncio.to_thread(
             build_tiers, new, state.worker, observer=state.telemetry, reuse=old_tiers
         )
-        service.policy, service.tiers = new, tiers
         kept = {id(b) for b in tiers.tiers.values()}
         retired = [b for b in old_tiers.tiers.values() if id(b) not in kept]
-        for backend in retired:
-            asyncio.get_running_loop().create_task(_retire(state.worker, backend))
-    else:
-        if old_tiers is not None:
-            for name, backend in old_tiers.tiers.items():
-                backend.cfg = new.tiers[name]  # generation defaults may have changed
-        service.policy = new
-    state.api_keys = ApiKeys.from_policy(new)
+    # The swap: no await from here on, so no request sees half of it.
+    if tiers is old_tiers and tiers is not None:
+        for name, backend in tiers.tiers.items():
+            backend.cfg = new.tiers[name]  # generation defaults may have changed
+    old_cache = service.cache
+    service.policy, service.tiers, service.cache, service.classifier = new, tiers, cache, classifier
+    state.auth = auth
+    state.telemetry.record_content = new.service.telemetry.record_content
+    loop = asyncio.get_running_loop()
+    for backend in retired:
+        _background(loop.create_task(_retire(state.worker, backend)))
+    if old_cache is not None and old_cache is not cache:
+        _background(loop.create_task(old_cache.aclose()))
+
+
+_TASKS: set[asyncio.Task[Any]] = set()
+
+
+def _background(task: asyncio.Task[Any]) -> None:
+    """Keep a reference until done (the loop holds only weak ones)."""
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 async def _retire(worker: Any, backend: Any) -> None:
@@ -83,10 +117,11 @@ async def _retire(worker: Any, backend: Any) -> None:
 
 
 class PolicyWatcher:
-    def __init__(self, path: Path, app: Any, interval_s: float = 0.5) -> None:
+    def __init__(self, path: Path, app: Any, interval_s: float = 0.5, *, watch_policy: bool = True) -> None:
         self.path = path
         self.app = app
         self.interval_s = interval_s
+        self.watch_policy = watch_policy
         current = _digest(path)
         self._seen = current[0] if current else None
         self._task: asyncio.Task[None] | None = None
@@ -105,7 +140,9 @@ class PolicyWatcher:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await self.check()
+                self.app.state.auth.refresh()
+                if self.watch_policy:
+                    await self.check()
             except Exception:  # never let the watcher die
                 log.exception("policy watcher error")
 
@@ -113,6 +150,11 @@ class PolicyWatcher:
         """Reload when the file's content changed; returns True when a new policy was applied."""
         current = _digest(self.path)
         if current is None or current[0] == self._seen:
+            return False
+        state = self.app.state
+        if state.service.tiers is None and state.load_error is None:
+            # The first tiers are still loading from the old policy: swapping now could leave a
+            # new tier name without an engine. The edit stays unseen and applies once they are up.
             return False
         digest, text = current
         self._seen = digest

@@ -1,8 +1,9 @@
 """Turning engine outputs into OpenAI responses - one JSON body, or an SSE stream - and recording
-what each answer cost: usage, metrics, phase spans, and the cache entry for complete answers.
+what each answer cost: usage, metrics, phase spans.
 
-A mixin of ``RouterService`` (it uses the service's policy, telemetry, cache and in-flight count);
-kept apart so the routing pipeline in ``service.py`` reads on its own.
+``ResponseWriter`` is an object the service owns. It knows nothing of the cache: a caller that
+wants a complete answer stored passes ``on_complete``, which runs once an answer finished with
+``stop`` (never for truncated, errored or cancelled ones).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from router.errors import RouterError, UnavailableError
@@ -20,32 +21,59 @@ from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
 if TYPE_CHECKING:
-    from router.cache import ResponseCache
+    from router.calls import Generation, Routed
     from router.policy.decide import Decision
-    from router.policy.schema import Policy
-    from router.service import CallContext, Routed, _Gen
     from router.telemetry import Telemetry
 
-__all__ = ["RETRY_AFTER_S", "ResponseMixin", "aclose_quietly"]
+__all__ = ["RETRY_AFTER_S", "InFlight", "OnComplete", "ResponseWriter", "aclose_quietly", "remote_error"]
 
 RETRY_AFTER_S = 1.0
 
+OnComplete = Callable[[dict[str, Any]], Awaitable[None]]
+"""Called with the finished body of an answer that ended with ``stop`` (the cache stores it)."""
 
-class ResponseMixin:
-    policy: Policy
-    telemetry: Telemetry
-    cache: ResponseCache | None
+
+class InFlight:
+    """Requests between admission and their last byte; draining waits for this to reach zero."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count <= 0:
+            self.count = 0
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+class ResponseWriter:
+    def __init__(self, telemetry: Telemetry, in_flight: InFlight) -> None:
+        self.telemetry = telemetry
+        self.in_flight = in_flight
 
     def _enter(self) -> None:
-        raise NotImplementedError
+        self.in_flight.enter()
 
     def _leave(self) -> None:
-        raise NotImplementedError
+        self.in_flight.leave()
 
-    async def _first(self, source: AsyncIterator[StepOutput]) -> StepOutput:
+    def _count(self, gen: Generation, d: Decision, outcome: str) -> None:
+        tenant = gen.ctx.tenant_label if gen.ctx is not None else "-"
+        self.telemetry.count_request(gen.kind, d.tier, d.rule, outcome, tenant)
+
+    async def _first(self, source: AsyncIterator[StepOutput], timeout_s: float) -> StepOutput:
         """The first output, bounded by the queue timeout (waiting for a slot counts)."""
         try:
-            return await asyncio.wait_for(anext(source), timeout=self.policy.service.queue_timeout_s)
+            return await asyncio.wait_for(anext(source), timeout=timeout_s)
         except TimeoutError:
             await aclose_quietly(source)
             raise UnavailableError(
@@ -54,9 +82,9 @@ class ResponseMixin:
                 retry_after=RETRY_AFTER_S,
             ) from None
         except RemoteError as exc:
-            raise _remote_error(exc) from exc
+            raise remote_error(exc) from exc
 
-    def _span_attributes(self, gen: _Gen, d: Decision, routed: Routed) -> dict[str, Any]:
+    def span_attributes(self, gen: Generation, d: Decision, routed: Routed) -> dict[str, Any]:
         req = gen.request
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "chat" if gen.kind == "chat" else "text_completion",
@@ -83,7 +111,7 @@ class ResponseMixin:
 
     def _finish_record(
         self,
-        gen: _Gen,
+        gen: Generation,
         d: Decision,
         last: StepOutput,
         outcome: str,
@@ -92,7 +120,7 @@ class ResponseMixin:
         text: str,
     ) -> dict[str, Any]:
         prompt_tokens = last.num_prompt_tokens or prompt_hint
-        self.telemetry.requests.labels(gen.kind, d.tier, d.rule, outcome).inc()
+        self._count(gen, d, outcome)
         if last.timings:
             self.telemetry.record_generation(
                 d.tier, last.timings, prompt_tokens, last.num_output_tokens, last.num_cached_tokens
@@ -124,19 +152,21 @@ class ResponseMixin:
             last.num_accepted_tokens,
         )
 
-    async def _collect(
+    async def collect(
         self,
-        gen: _Gen,
+        gen: Generation,
         d: Decision,
         source: AsyncIterator[StepOutput],
         span_attrs: dict[str, Any],
         prompt_hint: int,
-        ctx: CallContext,
+        *,
+        timeout_s: float,
+        on_complete: OnComplete | None = None,
     ) -> dict[str, Any]:
         self._enter()
         try:
             parts: list[str] = []
-            out = await self._first(source)
+            out = await self._first(source, timeout_s)
             while True:
                 parts.append(out.text)
                 if out.finish_reason is not None:
@@ -144,55 +174,59 @@ class ResponseMixin:
                 try:
                     out = await anext(source)
                 except RemoteError as exc:
-                    raise _remote_error(exc) from exc
+                    raise remote_error(exc) from exc
             text = "".join(parts)
             if out.finish_reason == "error":
-                self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "error").inc()
+                self._count(gen, d, "error")
                 raise RouterError(
                     f"Generation failed: {out.error or 'internal error'}", code="generation_error"
                 )
             if out.finish_reason == "abort":
-                self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "cancelled").inc()
+                self._count(gen, d, "cancelled")
                 raise UnavailableError(
                     "Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S
                 )
             usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
             body = completion_body(gen.kind, d.tier, text, out.finish_reason, usage)
-            if self.cache is not None and not ctx.no_cache and out.finish_reason == "stop":
-                await self.cache.store(gen, ctx, self.policy, body, d, usage)
+            if on_complete is not None and out.finish_reason == "stop":
+                await on_complete(body)
             return body
         finally:
             await aclose_quietly(source)
             self._leave()
 
-    async def _sse(
+    async def sse(
         self,
-        gen: _Gen,
+        gen: Generation,
         d: Decision,
         source: AsyncIterator[StepOutput],
         span_attrs: dict[str, Any],
         prompt_hint: int,
-        ctx: CallContext,
+        *,
+        timeout_s: float,
+        on_complete: OnComplete | None = None,
     ) -> AsyncIterator[bytes]:
         # Wait for the first token before the response starts, so a queue timeout is still a 503.
         self._enter()
         try:
-            first = await self._first(source)
+            first = await self._first(source, timeout_s)
         except BaseException:
             await aclose_quietly(source)
             self._leave()
             raise
-        return SSEStream(self._sse_body(gen, d, source, first, span_attrs, prompt_hint, ctx), self._leave)
+        return SSEStream(
+            self._sse_body(gen, d, source, first, span_attrs, prompt_hint, on_complete), self._leave
+        )
 
     async def _sse_body(
         self,
-        gen: _Gen,
+        gen: Generation,
         d: Decision,
         source: AsyncIterator[StepOutput],
         first: StepOutput,
         span_attrs: dict[str, Any],
         prompt_hint: int,
-        ctx: CallContext,
+        on_complete: OnComplete | None,
     ) -> AsyncGenerator[bytes, None]:
         cid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
         created = now()
@@ -205,7 +239,7 @@ class ResponseMixin:
             out = first
             while True:
                 if out.finish_reason == "error":
-                    self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "error").inc()
+                    self._count(gen, d, "error")
                     err = RouterError(
                         f"Generation failed: {out.error or 'internal error'}", code="generation_error"
                     )
@@ -220,10 +254,10 @@ class ResponseMixin:
                 try:
                     out = await anext(source)
                 except RemoteError as exc:
-                    yield sse_event(_remote_error(exc).to_body())
+                    yield sse_event(remote_error(exc).to_body())
                     return
             if out.finish_reason == "abort":
-                self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "cancelled").inc()
+                self._count(gen, d, "cancelled")
                 return
             text = "".join(texts)
             usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
@@ -241,15 +275,8 @@ class ResponseMixin:
                     }
                 )
             yield b"data: [DONE]\n\n"
-            if self.cache is not None and not ctx.no_cache and out.finish_reason == "stop":
-                await self.cache.store(
-                    gen,
-                    ctx,
-                    self.policy,
-                    completion_body(gen.kind, d.tier, text, out.finish_reason, usage),
-                    d,
-                    usage,
-                )
+            if on_complete is not None and out.finish_reason == "stop":
+                await on_complete(completion_body(gen.kind, d.tier, text, out.finish_reason, usage))
         finally:
             await aclose_quietly(source)  # client gone mid-stream: this aborts the engine request
 
@@ -261,7 +288,7 @@ async def aclose_quietly(source: AsyncIterator[StepOutput]) -> None:
             await close()
 
 
-def _remote_error(exc: RemoteError) -> RouterError:
+def remote_error(exc: RemoteError) -> RouterError:
     if exc.status_code in (503, 504):
         return UnavailableError(str(exc), code="upstream_unavailable", retry_after=RETRY_AFTER_S)
     err = RouterError(str(exc), code="upstream_error")

@@ -1,4 +1,5 @@
-"""One request, end to end: cache -> classify -> decide -> submit -> stream or collect.
+"""One request, end to end: classify -> decide -> cache (keyed on the decision) -> submit -> stream
+or collect.
 
 ``RouterService`` holds the live state (policy, tiers, classifier, cache, telemetry); the HTTP
 layer (``router.app``) only parses, authenticates and turns results into responses.
@@ -9,28 +10,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from router.backends import LocalTier, RemoteBackend, TierSet
+from router.calls import CachedAnswer, CallContext, Completion, Generation, Routed
 from router.errors import BadRequestError, OverloadedError, RateLimitError, UnavailableError
 from router.policy.decide import Decision, RouteRequest, decide
-from router.responses import RETRY_AFTER_S, ResponseMixin
+from router.responses import RETRY_AFTER_S, InFlight, ResponseWriter
 from router.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    completion_id,
     message_text,
+    now,
     stop_list,
     validate_sampling,
 )
+from router.sse import replay
 from tiers.engine import EngineFullError
 from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
 
 if TYPE_CHECKING:
-    from classifier import ComplexityClassifier, ComplexityScore
-    from router.cache import ResponseCache
+    from classifier import ComplexityClassifier
+    from router.cache import CacheKey, ResponseCache
     from router.policy.schema import Policy
     from router.telemetry import Telemetry
 
@@ -38,46 +44,7 @@ __all__ = ["CallContext", "Completion", "RouterService"]
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(slots=True)
-class CallContext:
-    headers: Mapping[str, str]
-    """Lower-cased request headers."""
-    tenant: str | None = None
-    no_cache: bool = False
-    span: Any = None
-    """The request's server span: parent of classify/decide/cache/queue/prefill/decode spans."""
-
-
-@dataclass(slots=True)
-class Routed:
-    decision: Decision
-    score: ComplexityScore
-    prompt_tokens: int
-    classify_ms: float
-
-
-@dataclass(slots=True)
-class Completion:
-    """What the HTTP layer needs: routing headers plus a body or an SSE byte stream."""
-
-    headers: dict[str, str]
-    body: dict[str, Any] | None = None
-    stream: AsyncIterator[bytes] | None = None
-
-
-@dataclass(slots=True)
-class _Gen:
-    kind: str  # chat | completion
-    request: ChatCompletionRequest | CompletionRequest
-    messages: list[dict[str, str]] | None
-    prompt: str | None
-    stream: bool
-    include_usage: bool
-    cache_key: dict[str, Any] | None = None
-    last_user: str = ""
-    ctx: CallContext | None = None
+_Gen = Generation  # the name before request types moved to router.calls
 
 
 class TenantLimiter:
@@ -98,7 +65,7 @@ class TenantLimiter:
         return None
 
 
-class RouterService(ResponseMixin):
+class RouterService:
     def __init__(
         self,
         policy: Policy,
@@ -114,9 +81,12 @@ class RouterService(ResponseMixin):
         self.cache = cache
         self.draining = False
         self.limiter = TenantLimiter()
-        self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = InFlight()
+        self.writer = ResponseWriter(telemetry, self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight.count
 
     # -- readiness -----------------------------------------------------------------------------
     @property
@@ -137,7 +107,7 @@ class RouterService(ResponseMixin):
     def route(
         self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
     ) -> Routed:
-        policy = self.policy  # one snapshot for the whole decision (hot reload swaps the attribute)
+        policy = self.policy  # one snapshot for the whole request (hot reload swaps the attribute)
         with self.telemetry.span("classify", parent=ctx.span) as span:
             started = time.perf_counter()
             if messages is not None:
@@ -162,7 +132,7 @@ class RouterService(ResponseMixin):
             span.set_attribute("router.reason", decision.reason)
             span.set_attribute("router.policy", policy.digest[:12])
         self.telemetry.route_decisions.labels(decision.tier, decision.rule).inc()
-        return Routed(decision, score, prompt_tokens, classify_s * 1000)
+        return Routed(decision, score, prompt_tokens, classify_s * 1000, policy)
 
     def _count_tokens(self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
         """Prompt tokens for the ``prompt_tokens_*`` rules: exact when a rule could turn on it.
@@ -217,7 +187,7 @@ class RouterService(ResponseMixin):
             )
         messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        gen = _Gen(
+        gen = Generation(
             "chat",
             req,
             messages,
@@ -242,7 +212,7 @@ class RouterService(ResponseMixin):
             raise BadRequestError(
                 "logprobs are not supported by this server.", param="logprobs", code="unsupported_value"
             )
-        gen = _Gen(
+        gen = Generation(
             "completion",
             req,
             None,
@@ -253,58 +223,111 @@ class RouterService(ResponseMixin):
         )
         return await self._generate(gen, ctx)
 
-    def _check_rate(self, ctx: CallContext) -> None:
-        if ctx.tenant is None:
-            return
-        cfg = self.policy.tenants.get(ctx.tenant)
-        if cfg is None or cfg.rate_limit_rpm is None:
-            return
-        wait = self.limiter.check(ctx.tenant, cfg.rate_limit_rpm)
-        if wait is not None:
-            raise RateLimitError(f"Rate limit reached for tenant '{ctx.tenant}'.", retry_after=max(1.0, wait))
+    def _identify(self, ctx: CallContext) -> None:
+        """Fill the caller's metric label and rate-limit identity from its (authenticated) tenant."""
+        tenant = ctx.tenant
+        if tenant is None:
+            ctx.tenant_label = "-"
+        else:
+            ctx.tenant_label = tenant if tenant in self.policy.tenants else "other"
+        if ctx.principal is None:
+            ctx.principal = tenant
 
-    async def _generate(self, gen: _Gen, ctx: CallContext) -> Completion:
+    def _check_rate(self, ctx: CallContext) -> None:
+        """Per caller: the tenant's own ``rate_limit_rpm``, else ``service.auth.rate_limit_rpm``
+        for every other caller (a tenant the policy does not name, or a key without a tenant)."""
+        if ctx.principal is None:
+            return
+        cfg = self.policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
+        rpm = cfg.rate_limit_rpm if cfg is not None and cfg.rate_limit_rpm is not None else None
+        if rpm is None:
+            rpm = self.policy.service.auth.rate_limit_rpm
+        if rpm is None:
+            return
+        wait = self.limiter.check(ctx.principal, rpm)
+        if wait is not None:
+            who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
+            raise RateLimitError(f"Rate limit reached for {who}.", retry_after=max(1.0, wait))
+
+    async def _generate(self, gen: Generation, ctx: CallContext) -> Completion:
         tiers = self._require_tiers()
         gen.ctx = ctx
+        self._identify(ctx)
         self._check_rate(ctx)
         req = gen.request
-        if self.cache is not None and not ctx.no_cache:
-            hit = await self.cache.lookup(gen, ctx, self)
-            if hit is not None:
-                return hit
         routed = self.route(ctx, req.model, gen.messages, gen.prompt)
         d = routed.decision
+        policy = routed.policy or self.policy
         headers = {
             "x-router-tier": d.tier,
             "x-router-score": f"{routed.score.value:.4f}",
             "x-router-rule": d.rule,
         }
-        if self.cache is not None:
+        # The cache is consulted only now, keyed on the decision: a request the policy sends to
+        # another tier (a header rule, a tenant cap, a fallback) never gets this tier's answer.
+        cache = self.cache
+        key: CacheKey | None = None
+        if cache is not None and not ctx.no_cache and d.tier in policy.tiers:
+            key = cache.key(gen, ctx, d.tier, policy)
+            if key is not None:
+                hit = await cache.lookup(key, parent=ctx.span)
+                if hit is not None:
+                    return self._cached_completion(gen, d, headers, hit)
+        if cache is not None:
             headers["x-router-cache"] = "miss"
         if d.rejected:
-            self.telemetry.requests.labels(gen.kind, d.tier, d.rule, "rejected").inc()
+            self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)
             raise OverloadedError(
                 f"Tier '{d.tier}' is at capacity and no fallback tier is free; retry shortly.",
                 retry_after=RETRY_AFTER_S,
             )
-        backend = tiers.get(d.tier)
+        backend = tiers.tiers.get(d.tier)
+        if backend is None:  # a reload renamed tiers while this request was being decided
+            raise UnavailableError(
+                f"Tier '{d.tier}' is not loaded yet; retry shortly.", code="tier_loading", retry_after=5.0
+            )
         if isinstance(backend, RemoteBackend):
             source = self._remote_stream(backend, gen)
             prompt_tokens_hint = routed.prompt_tokens
         else:
             source, prompt_tokens_hint = self._local_stream(backend, gen)
-        span_attrs = self._span_attributes(gen, d, routed)
+        span_attrs = self.writer.span_attributes(gen, d, routed)
         if ctx.span is not None:
             ctx.span.set_attributes(span_attrs)
-        if gen.stream:
-            return Completion(
-                headers, stream=await self._sse(gen, d, source, span_attrs, prompt_tokens_hint, ctx)
-            )
-        return Completion(
-            headers, body=await self._collect(gen, d, source, span_attrs, prompt_tokens_hint, ctx)
-        )
+        # Answers produced by a load fallback are not stored: the next identical request may well
+        # be decided differently once the preferred tier has room.
+        on_complete = None
+        if key is not None and cache is not None and d.fallback_from is None:
+            stored_key = key
 
-    def _sampling(self, backend: LocalTier, gen: _Gen, num_prompt: int) -> SamplingParams:
+            async def on_complete(body: dict[str, Any]) -> None:
+                await cache.store(stored_key, body, d)
+
+        timeout_s = policy.service.queue_timeout_s
+        if gen.stream:
+            stream = await self.writer.sse(
+                gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
+            )
+            return Completion(headers, stream=stream)
+        body = await self.writer.collect(
+            gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
+        )
+        return Completion(headers, body=body)
+
+    def _cached_completion(
+        self, gen: Generation, d: Decision, headers: dict[str, str], hit: CachedAnswer
+    ) -> Completion:
+        tenant = gen.ctx.tenant_label if gen.ctx is not None else "-"
+        self.telemetry.count_request(gen.kind, d.tier, d.rule, "cache_hit", tenant)
+        headers = dict(headers, **{"x-router-cache": "hit", "x-router-cache-kind": hit.kind})
+        if hit.kind == "semantic":
+            headers["x-router-cache-similarity"] = f"{hit.similarity:.4f}"
+        body = dict(hit.body, id=completion_id("chatcmpl" if gen.kind == "chat" else "cmpl"), created=now())
+        if gen.stream:
+            return Completion(headers, stream=replay(gen.kind, body, gen.include_usage))
+        return Completion(headers, body=body)
+
+    def _sampling(self, backend: LocalTier, gen: Generation, num_prompt: int) -> SamplingParams:
         req = gen.request
         defaults = backend.cfg.defaults
         if isinstance(req, ChatCompletionRequest):
@@ -328,8 +351,15 @@ class RouterService(ResponseMixin):
             ignore_eos=eos_free,
         )
 
-    def _local_stream(self, backend: LocalTier, gen: _Gen) -> tuple[AsyncIterator[StepOutput], int]:
-        ids = backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
+    def _local_stream(self, backend: LocalTier, gen: Generation) -> tuple[AsyncIterator[StepOutput], int]:
+        try:
+            ids = backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
+        except TemplateError as exc:  # e.g. a template that demands alternating roles
+            raise BadRequestError(
+                f"The messages do not fit the chat template of tier '{backend.name}': {exc}",
+                param="messages",
+                code="invalid_messages",
+            ) from exc
         params = self._sampling(backend, gen, len(ids))
         try:
             handle = backend.engine.submit(ids, params)
@@ -343,26 +373,16 @@ class RouterService(ResponseMixin):
             ) from exc
         return handle.__aiter__(), len(ids)
 
-    def _remote_stream(self, backend: RemoteBackend, gen: _Gen) -> AsyncIterator[StepOutput]:
+    def _remote_stream(self, backend: RemoteBackend, gen: Generation) -> AsyncIterator[StepOutput]:
         body = {k: v for k, v in _struct_to_dict(gen.request).items() if v is not None}
         return backend.client.generate(gen.kind, body)
 
     # -- draining ------------------------------------------------------------------------------
-    def _enter(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def _leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight <= 0:
-            self.in_flight = 0
-            self._idle.set()
-
     async def drain(self, timeout: float) -> bool:
         """Stop admitting; wait up to ``timeout`` for in-flight requests. True when all finished."""
         self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._in_flight.wait_idle(), timeout)
             return True
         except TimeoutError:
             return False

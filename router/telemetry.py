@@ -71,8 +71,9 @@ class Telemetry:
         r = self.registry
         self.requests = Counter(
             "router_requests",
-            "Requests by tier, rule and outcome",
-            ["endpoint", "tier", "rule", "outcome"],
+            "Requests by tier, rule, outcome and tenant (tenants named in the policy; others are "
+            "'other', unauthenticated or tenant-less callers '-': the label set stays bounded)",
+            ["endpoint", "tier", "rule", "outcome", "tenant"],
             registry=r,
         )
         self.e2e = Histogram(
@@ -139,6 +140,12 @@ class Telemetry:
         )
         self.cache_hits = Counter("router_cache_hits", "Response cache hits", ["kind"], registry=r)
         self.cache_misses = Counter("router_cache_misses", "Response cache misses", registry=r)
+        self.cache_errors = Counter(
+            "router_cache_errors",
+            "Response cache store failures (Redis down, stalled or corrupt): served as misses",
+            ["op"],
+            registry=r,
+        )
         self.policy_reloads = Counter("router_policy_reloads", "Policy reloads applied", registry=r)
         self.policy_reload_failures = Counter(
             "router_policy_reload_failures", "Policy reloads rejected", registry=r
@@ -146,6 +153,9 @@ class Telemetry:
         self.ready = Gauge("router_ready", "1 when every tier is loaded and warmed up", registry=r)
         self._tracer_provider, self.tracer = _make_tracer(service_name)
         self._propagator = TraceContextTextMapPropagator()
+
+    def count_request(self, endpoint: str, tier: str, rule: str, outcome: str, tenant: str = "-") -> None:
+        self.requests.labels(endpoint, tier, rule, outcome, tenant).inc()
 
     def watch_engines(self, loads: Callable[[], Mapping[str, Any]]) -> None:
         self.registry.register(_EngineLoadCollector(loads))

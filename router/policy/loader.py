@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import math
+import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,19 @@ from router.policy.schema import SUPPORTED_VERSIONS, Condition, Policy
 __all__ = ["load_policy", "parse_policy"]
 
 Path_ = tuple[str | int, ...]
+
+_HEADER_SAFE = re.compile(r"[!-~](?:[ -~]{0,126}[!-~])?")
+"""Printable ASCII, no leading/trailing space, at most 128 characters: names that end up in
+``x-router-*`` response headers, metric labels and logs (no CR/LF, nothing outside latin-1)."""
+
+
+def _check_name(ctx: _Ctx, path: Path_, name: str, what: str) -> None:
+    if not _HEADER_SAFE.fullmatch(name):
+        ctx.error(
+            path,
+            f"{what} {name[:40]!r} must be 1-128 printable ASCII characters without leading or "
+            "trailing spaces (it is sent in x-router-* response headers)",
+        )
 
 
 def _fmt(path: Path_) -> str:
@@ -198,6 +212,7 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
         ctx.error(("tiers",), "at least one tier is required")
     for name, tier in tiers.items():
         p: Path_ = ("tiers", name)
+        _check_name(ctx, p, name, "tier name")
         if name == "auto":
             ctx.error(p, "'auto' is reserved for routed requests")
         for fname, minimum in (
@@ -215,8 +230,11 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             ctx.error((*p, "quant_group_size"), f"must be 32, 64 or 128, got {tier.quant_group_size}")
         if tier.speculative_tokens > 16:
             ctx.error((*p, "speculative_tokens"), f"must be <= 16, got {tier.speculative_tokens}")
-        if tier.timeout_s <= 0:
-            ctx.error((*p, "timeout_s"), "must be > 0")
+        for fname in ("timeout_s", "max_queue_wait_s", "circuit_cooldown_s"):
+            if getattr(tier, fname) <= 0:
+                ctx.error((*p, fname), "must be > 0")
+        if tier.circuit_failures < 1:
+            ctx.error((*p, "circuit_failures"), f"must be >= 1, got {tier.circuit_failures}")
         d = tier.defaults
         if d.max_tokens < 1:
             ctx.error((*p, "defaults", "max_tokens"), "must be >= 1")
@@ -251,6 +269,7 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             cur = tiers[cur].draft
     routing = policy.routing
     for alias, target in routing.aliases.items():
+        _check_name(ctx, ("routing", "aliases", alias), alias, "alias")
         if target not in tiers:
             ctx.error(("routing", "aliases", alias), f"names tier '{target}', which does not exist")
         if alias in tiers or alias == "auto":
@@ -265,6 +284,7 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
         ctx.error(("routing", "escalation", "confidence_below"), "must be in (0, 1]")
     _check_rules(policy, ctx)
     for tenant, cfg in policy.tenants.items():
+        _check_name(ctx, ("tenants", tenant), tenant, "tenant name")
         for i, t in enumerate(cfg.allowed_tiers or []):
             if t not in tiers:
                 ctx.error(("tenants", tenant, "allowed_tiers", i), f"'{t}' is not a tier")
@@ -273,6 +293,20 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
         if cfg.rate_limit_rpm is not None and cfg.rate_limit_rpm < 1:
             ctx.error(("tenants", tenant, "rate_limit_rpm"), "must be >= 1")
     svc = policy.service
+    auth = svc.auth
+    if auth.mode == "open":
+        for fname in ("api_keys_env", "api_keys_file"):
+            if getattr(auth, fname):
+                ctx.error(
+                    ("service", "auth", fname),
+                    "is ignored with mode 'open' (no auth); use mode 'keys' or remove it",
+                )
+    if auth.rate_limit_rpm is not None and auth.rate_limit_rpm < 1:
+        ctx.error(("service", "auth", "rate_limit_rpm"), "must be >= 1")
+    if svc.cache.redis_timeout_s <= 0:
+        ctx.error(("service", "cache", "redis_timeout_s"), "must be > 0")
+    if svc.max_request_timeout_s <= 0:
+        ctx.error(("service", "max_request_timeout_s"), "must be > 0")
     if svc.max_body_bytes < 1024:
         ctx.error(("service", "max_body_bytes"), "must be >= 1024")
     for fname in ("queue_timeout_s", "drain_timeout_s"):
@@ -298,8 +332,7 @@ def _check_rules(policy: Policy, ctx: _Ctx) -> None:
         if rule.name in names:
             ctx.error((*p, "name"), f"duplicate rule name '{rule.name}' (also rules[{names[rule.name]}])")
         names[rule.name] = i
-        if not rule.name.strip():
-            ctx.error((*p, "name"), "must not be empty")
+        _check_name(ctx, (*p, "name"), rule.name, "rule name")
         if rule.tier not in policy.tiers:
             ctx.error(
                 (*p, "tier"),

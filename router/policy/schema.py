@@ -76,6 +76,13 @@ class TierConfig:
     """Remote tiers: per-request timeout."""
     max_retries: int = 2
     """Remote tiers: retries on connect errors and 502/503/504 before any byte is streamed."""
+    max_queue_wait_s: float = 5.0
+    """Admission: a request whose predicted wait for its first token on this tier exceeds this
+    (or the client's deadline) is sent to the fallback tier, else answered 429 at once."""
+    circuit_failures: int = 5
+    """Remote tiers: consecutive failures that open the circuit (requests skip the tier)."""
+    circuit_cooldown_s: float = 10.0
+    """Remote tiers: how long an open circuit stays open before one trial request is let through."""
 
     @property
     def is_remote(self) -> bool:
@@ -162,10 +169,20 @@ class TenantConfig:
 
 @dataclass(slots=True)
 class AuthConfig:
+    mode: Literal["keys", "open"] = "keys"
+    """``keys``: every API request needs a Bearer key, and ``serve`` refuses to start when no key
+    loads. ``open``: no auth at all - for a loopback development server (``make run``)."""
     api_keys_env: str | None = None
     """Environment variable with ``key`` or ``key:tenant`` entries, comma-separated."""
     api_keys_file: str | None = None
-    """File with one ``key`` or ``key:tenant`` per line (a mounted Kubernetes Secret)."""
+    """File with one ``key`` or ``key:tenant`` per line (a mounted Kubernetes Secret); re-read on
+    change, so rotation and revocation need no restart."""
+    trust_tenant_header: bool = False
+    """Take the tenant from ``x-tenant`` when the caller's key names none (or in ``open`` mode).
+    Only behind a gateway that authenticates callers and sets the header itself."""
+    rate_limit_rpm: int | None = None
+    """Requests per minute for each caller (tenant, or key without a tenant) that has no
+    ``tenants.<name>.rate_limit_rpm`` of its own; null = unlimited."""
 
 
 @dataclass(slots=True)
@@ -183,6 +200,8 @@ class CacheConfig:
     backend: Literal["memory", "redis"] = "memory"
     redis_url_env: str = "REDIS_URL"
     """Environment variable with the Redis URL (backend: redis)."""
+    redis_timeout_s: float = 0.25
+    """Redis connect and socket timeout: past it a lookup is a miss and Redis is skipped briefly."""
     cache_sampled: bool = False
     """Also cache requests with temperature > 0 (off: only deterministic requests are cached)."""
     semantic: SemanticCacheConfig = field(default_factory=SemanticCacheConfig)
@@ -208,6 +227,8 @@ class ServiceConfig:
     """Request bodies above this get 413 before they are read in full."""
     queue_timeout_s: float = 30.0
     """A request waiting this long for its first token is answered 503."""
+    max_request_timeout_s: float = 600.0
+    """Largest deadline a client may ask for with ``x-request-timeout`` (seconds)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, in-flight work gets this long to finish before it is cancelled."""
     auth: AuthConfig = field(default_factory=AuthConfig)

@@ -1,8 +1,11 @@
-"""API-key auth: Bearer keys from the environment, tenants from keys, open health paths, no bypass."""
+"""API-key auth: Bearer keys from the environment and a watched file, tenants from keys only,
+per-key limits, operator endpoints behind auth, probes without internals, no bypass."""
 
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,26 +13,50 @@ import httpx
 import openai
 import pytest
 
-from router.auth import ApiKeys
+from router.auth import ApiKeys, Caller
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, start_server
 
-AUTH = """
-  auth:
+AUTH = """  auth:
+    mode: keys
     api_keys_env: TEST_ROUTER_KEYS
+    api_keys_file: {keys_file}
+    rate_limit_rpm: 2
+"""
+
+TENANTS = """tenants:
+  team-a: {allowed_tiers: [small], rate_limit_rpm: 1000}
+  team-b: {rate_limit_rpm: 1}
+  team-rot: {rate_limit_rpm: 1000}
+routing:
+"""
+
+TEAM_B_RULE = """  rules:
+    - name: team-b-rule
+      when: {tenant: [team-b]}
+      tier: medium
 """
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    os.environ["TEST_ROUTER_KEYS"] = "sk-alpha:team-a, sk-beta"
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "api-keys"
+    path.write_text("sk-rotating:team-rot\nsk-plain\nsk-other\nsk-stranger:nobody\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, keys_file: Path
+) -> Iterator[Server]:
+    os.environ["TEST_ROUTER_KEYS"] = "sk-alpha:team-a, sk-beta, sk-b1:team-b, sk-b2:team-b"
     path = tmp_path_factory.mktemp("auth") / "policy.yaml"
-    text = tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace(
-        "service:\n", "service:\n" + AUTH.lstrip("\n"), 1
+    text = tiny_policy_yaml(tiny_model_dir, cache_enabled=True).replace(
+        "  auth: {mode: open}\n", AUTH.format(keys_file=keys_file), 1
     )
-    text = text.replace("routing:\n", "tenants:\n  team-a: {allowed_tiers: [small]}\nrouting:\n", 1)
+    text = text.replace("routing:\n", TENANTS, 1).replace("  rules:\n", TEAM_B_RULE, 1)
     path.write_text(text)
-    srv, stop = start_server(path, watch_policy=False)
+    srv, stop = start_server(path, watch_policy=False, reload_interval_s=0.2)
     yield srv
     stop()
     os.environ.pop("TEST_ROUTER_KEYS", None)
@@ -66,18 +93,91 @@ def test_valid_key_works_and_maps_its_tenant(server: Server) -> None:
     assert raw.headers["x-router-tier"] == "large"
 
 
-def test_key_tenant_wins_over_the_header(server: Server) -> None:
-    r = httpx.post(
-        server.url + "/v1/chat/completions",
-        json=BODY,
-        headers={"authorization": "Bearer sk-alpha", "x-tenant": "someone-else"},
-    )
-    assert r.headers["x-router-tier"] == "small"
+def chat(url: str, key: str, content: str, **headers: str) -> httpx.Response:
+    body = {
+        "model": "auto",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 30,
+        "temperature": 0,
+        "stop": [" ", "e", "a", "o"],  # the tiny model's answers end with "stop", so they are cached
+    }
+    hdrs = {"authorization": f"Bearer {key}", **{k.replace("_", "-"): v for k, v in headers.items()}}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=hdrs, timeout=30)
 
 
-def test_health_and_metrics_stay_open(server: Server) -> None:
-    for path in ("/healthz", "/readyz", "/metrics"):
+def test_key_tenant_wins_over_the_header_for_rules_caps_cache_and_limits(server: Server) -> None:
+    # Rules and caps: team-a's key claiming team-b is team-a (capped at small, no team-b rule).
+    r = chat(server.url, "sk-alpha", "who am i", x_tenant="team-b")
+    assert r.status_code == 200
+    assert r.headers["x-router-tier"] == "small" and r.headers["x-router-rule"] != "team-b-rule"
+    # Limits: that request did not spend team-b's 1 rpm, so team-b's own key still gets through.
+    own = chat(server.url, "sk-b1", "who am i")
+    assert own.status_code == 200 and own.headers["x-router-rule"] == "team-b-rule"
+    assert own.headers["x-router-tier"] == "medium"
+    # Cache: team-b's stored (medium) answer stays in team-b's partition.
+    claimed = chat(server.url, "sk-alpha", "who am i", x_tenant="team-b")
+    assert claimed.headers["x-router-tier"] == "small"
+    assert claimed.json()["model"] == "small"
+    # Both of team-b's keys share team-b's bucket.
+    assert chat(server.url, "sk-b2", "who am i").status_code == 429
+
+
+def test_keys_without_a_tenant_are_rate_limited_per_key(server: Server) -> None:
+    codes = [chat(server.url, "sk-plain", f"plain {i}").status_code for i in range(3)]
+    assert codes == [200, 200, 429]  # service.auth.rate_limit_rpm: 2
+    assert chat(server.url, "sk-other", "plain 0").status_code == 200  # another key, its own bucket
+
+
+def test_request_metrics_carry_bounded_tenant_labels(server: Server) -> None:
+    chat(server.url, "sk-alpha", "labels")
+    chat(server.url, "sk-stranger", "labels")  # 'nobody': a tenant the policy does not name
+    text = httpx.get(server.url + "/metrics", headers={"authorization": "Bearer sk-alpha"}).text
+    tenants = set(re.findall(r'router_requests_total\{[^}]*tenant="([^"]*)"', text))
+    assert "team-a" in tenants and "other" in tenants and "nobody" not in tenants
+    assert tenants <= {"team-a", "team-b", "team-rot", "other", "-"}
+
+
+def test_operator_endpoints_need_a_key_on_the_api_port(server: Server) -> None:
+    for path in ("/metrics", "/dashboard", "/dashboard/data", "/schema/openapi.json"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(server.url + path, headers={"authorization": "Bearer sk-beta"}).status_code == 200
+    for path in ("/healthz", "/readyz"):
         assert httpx.get(server.url + path).status_code == 200
+    ready = httpx.get(server.url + "/readyz").json()
+    assert ready == {"status": "ready"}  # no tier names, paths or versions for anonymous callers
+
+
+def test_rotated_key_is_rejected_within_two_seconds(server: Server, keys_file: Path) -> None:
+    assert chat(server.url, "sk-rotating", "rotate").status_code == 200
+    keys_file.write_text("sk-rotated:team-rot\nsk-plain\nsk-other\n")
+    started = time.monotonic()
+    while chat(server.url, "sk-rotating", "rotate").status_code != 401:
+        assert time.monotonic() - started < 2.0, "revoked key still accepted"
+        time.sleep(0.05)
+    assert chat(server.url, "sk-rotated", "rotate").status_code == 200
+    # A file that reads but is empty revokes every file key (fail closed); env keys stay.
+    keys_file.write_text("")
+    started = time.monotonic()
+    while chat(server.url, "sk-rotated", "rotate").status_code != 401:
+        assert time.monotonic() - started < 2.0
+        time.sleep(0.05)
+    keys_file.write_text("sk-rotated:team-rot\nsk-plain\nsk-other\n")
+
+
+def test_x_tenant_is_ignored_unless_trusted() -> None:
+    from router.auth import Authenticator
+    from router.policy.schema import AuthConfig
+
+    strict = Authenticator(AuthConfig(mode="open"), ApiKeys({}))
+    assert strict.authenticate({"x-tenant": "acme"}) == Caller(None, None)
+    trusted = Authenticator(AuthConfig(mode="open", trust_tenant_header=True), ApiKeys({}))
+    assert trusted.authenticate({"x-tenant": "acme"}) == Caller("acme", "acme")
+    keyed = Authenticator(AuthConfig(trust_tenant_header=True), ApiKeys({"k1": "t1", "k2": None}))
+    assert keyed.authenticate({"authorization": "Bearer k1", "x-tenant": "acme"}) == Caller("t1", "t1")
+    assert keyed.authenticate({"authorization": "Bearer k2", "x-tenant": "acme"}) == Caller("acme", "acme")
+    assert keyed.authenticate({"x-tenant": "acme"}) is None
 
 
 @pytest.mark.parametrize(
@@ -90,6 +190,9 @@ def test_health_and_metrics_stay_open(server: Server) -> None:
         "/v1/chat/completions%2F",
         "/healthz/../v1/chat/completions",
         "/v1/models",
+        "/METRICS",
+        "/metrics/",
+        "/healthz/../metrics",
     ],
 )
 def test_path_tricks_do_not_bypass_auth(server: Server, path: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -24,12 +25,29 @@ CACHE_SERVICE = """
     max_entries: 100
     backend: {backend}
     redis_url_env: TEST_REDIS_URL
+    redis_timeout_s: 0.2
     semantic: {{enabled: true, threshold: 0.9}}
 """
 
 
+# A model name that goes through the rules and lands on small - unless a rule before it (the
+# x-priority header) sends the request to large.
+ROUTED_SMALL = """    - name: routed-small
+      when: {model: [routed]}
+      tier: small
+"""
+
+
 def policy_text(model_dir: Path, backend: str = "memory") -> str:
-    text = tiny_policy_yaml(model_dir, cache_enabled=True)
+    # The partition test below sets x-tenant, so this policy trusts the header (as behind a gateway).
+    text = tiny_policy_yaml(model_dir, cache_enabled=True, auth="{mode: open, trust_tenant_header: true}")
+    text = text.replace(
+        "      tier: large\n    - name: score-small",
+        "      tier: large\n" + ROUTED_SMALL + "    - name: score-small",
+        1,
+    )
+    # Room for prompts longer than the embedder's 256-token window.
+    text = text.replace("max_model_len: 256", "max_model_len: 1024", 1)
     return text.replace("  cache:\n    enabled: true\n", CACHE_SERVICE.format(backend=backend))
 
 
@@ -85,6 +103,43 @@ def test_no_hit_across_tenants(server: Server) -> None:
     chat(server.url, "tenant question one", {"x-tenant": "a"})
     assert chat(server.url, "tenant question one", {"x-tenant": "a"}).headers["x-router-cache"] == "hit"
     assert chat(server.url, "tenant question one", {"x-tenant": "b"}).headers["x-router-cache"] == "miss"
+
+
+def test_a_cached_small_answer_never_answers_a_request_routed_to_large(server: Server) -> None:
+    first = chat(server.url, "route me somewhere", model="routed")
+    assert first.headers["x-router-tier"] == "small" and first.json()["choices"][0]["finish_reason"] == "stop"
+    assert chat(server.url, "route me somewhere", model="routed").headers["x-router-cache"] == "hit"
+    high = chat(server.url, "route me somewhere", {"x-priority": "high"}, model="routed")
+    assert high.headers["x-router-tier"] == "large" and high.headers["x-router-rule"] == "priority-header"
+    assert high.headers["x-router-cache"] == "miss" and high.json()["model"] == "large"
+
+
+def test_conversations_differing_in_a_trailing_tool_message_do_not_share_an_entry(server: Server) -> None:
+    def convo(result: str) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": "What is the weather in Paris today?"},
+            {"role": "assistant", "content": "Let me look that up."},
+            {"role": "tool", "content": result},
+        ]
+
+    first = chat(server.url, "", messages=convo("Sunny, 25 degrees"))
+    assert first.json()["choices"][0]["finish_reason"] == "stop"
+    assert chat(server.url, "", messages=convo("Sunny, 25 degrees")).headers["x-router-cache"] == "hit"
+    other = chat(server.url, "", messages=convo("Heavy rain, 9 degrees"))
+    assert other.headers["x-router-cache"] == "miss"
+    prefill = chat(
+        server.url, "", messages=[*convo("Sunny, 25 degrees")[:1], {"role": "assistant", "content": "It is"}]
+    )
+    assert prefill.headers["x-router-cache"] == "miss"
+
+
+def test_prompts_longer_than_the_embedder_window_never_match_semantically(server: Server) -> None:
+    prefix = "the quick brown fox jumps over the lazy dog " * 40  # > 256 MiniLM tokens
+    first = chat(server.url, prefix + "and then what is the capital of France?")
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["finish_reason"] == "stop"
+    other = chat(server.url, prefix + "and write a haiku about the sea.")
+    assert other.headers["x-router-cache"] == "miss"
 
 
 def test_sampled_requests_are_not_cached(server: Server) -> None:
@@ -195,3 +250,54 @@ def test_redis_shares_exact_entries_between_two_instances(
             stop_b()
     finally:
         os.environ.pop("TEST_REDIS_URL", None)
+
+
+@pytest.fixture
+def redis_server(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    os.environ["TEST_REDIS_URL"] = redis_url
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_text(tiny_model_dir, backend="redis"))
+    srv, stop = start_server(path, watch_policy=False)
+    yield srv
+    stop()
+    os.environ.pop("TEST_REDIS_URL", None)
+
+
+@pytest.mark.redis
+def test_a_corrupt_redis_value_is_a_miss_not_a_500(redis_server: Server, redis_url: str) -> None:
+    import redis
+
+    assert chat(redis_server.url, "corrupt me").headers["x-router-cache"] == "miss"
+    assert chat(redis_server.url, "corrupt me").headers["x-router-cache"] == "hit"
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter("tiered-router:cache:*"):
+        client.set(key, b"\xff not json {")
+    again = chat(redis_server.url, "corrupt me")
+    assert again.status_code == 200 and again.headers["x-router-cache"] == "miss"
+    client.set(next(iter(client.scan_iter("tiered-router:cache:*"))), b'{"body": 3}')  # JSON, wrong shape
+    assert chat(redis_server.url, "corrupt me").status_code == 200
+
+
+@pytest.mark.redis
+def test_a_paused_redis_costs_at_most_its_timeout(redis_server: Server, redis_url: str) -> None:
+    import redis
+
+    from tests.router.test_reload import metric
+
+    chat(redis_server.url, "warm the connection")
+    started = time.perf_counter()
+    chat(redis_server.url, "baseline question")
+    baseline = time.perf_counter() - started
+    pid = int(redis.Redis.from_url(redis_url).info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for i in range(3):
+            started = time.perf_counter()
+            r = chat(redis_server.url, f"while redis sleeps {i}")
+            took = time.perf_counter() - started
+            assert r.status_code == 200 and r.headers["x-router-cache"] == "miss"
+            # lookup + store each bounded by the 0.2 s timeout (x2 for connect + read)
+            assert took < baseline + 1.0 + 0.5, (took, baseline)
+        assert metric(redis_server.url, "router_cache_errors_total") >= 1
+    finally:
+        os.kill(pid, signal.SIGCONT)

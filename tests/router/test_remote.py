@@ -44,6 +44,7 @@ routing:
     - {{name: hard, when: {{score_at_least: 0.5}}, tier: large}}
     - {{name: default, tier: small}}
 service:
+  auth: {{mode: open}}
   cache: {{enabled: false}}
 """
     path = tmp_path_factory.mktemp("front") / "policy.yaml"

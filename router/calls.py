@@ -1,0 +1,81 @@
+"""The values one request carries through the service: who is calling, what is generated, what
+comes back. Plain data, imported by the service, the cache and the response writer alike, so none
+of them needs another's module (no import circle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from classifier import ComplexityScore
+    from router.policy.decide import Decision
+    from router.policy.schema import Policy
+    from router.schemas import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed"]
+
+
+@dataclass(slots=True)
+class CallContext:
+    headers: Mapping[str, str]
+    """Lower-cased request headers."""
+    tenant: str | None = None
+    """The caller's tenant: from its API key (or, behind ``trust_tenant_header``, ``x-tenant``)."""
+    no_cache: bool = False
+    span: Any = None
+    """The request's server span: parent of classify/decide/cache/queue/prefill/decode spans."""
+    principal: str | None = None
+    """Who is calling, for per-caller limits: the tenant, else the API key's fingerprint."""
+    tenant_label: str = "-"
+    """The tenant as a metric label: a tenant the policy names, ``other``, or ``-`` (bounded)."""
+
+
+@dataclass(slots=True)
+class Routed:
+    decision: Decision
+    score: ComplexityScore
+    prompt_tokens: int
+    classify_ms: float
+    policy: Policy | None = None
+    """The policy snapshot the decision was taken under (a reload may swap the live one)."""
+
+
+@dataclass(slots=True)
+class Completion:
+    """What the HTTP layer needs: routing headers plus a body or an SSE byte stream."""
+
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[bytes] | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    """One generation request after parsing: the normalized conversation or prompt."""
+
+    kind: str  # chat | completion
+    request: ChatCompletionRequest | CompletionRequest
+    messages: list[dict[str, str]] | None
+    prompt: str | None
+    stream: bool
+    include_usage: bool
+    last_user: str = ""
+    ctx: CallContext | None = None
+
+
+_Gen = Generation  # the name other modules used before the split
+
+
+@dataclass(slots=True, frozen=True)
+class CachedAnswer:
+    """A stored answer found by the response cache; the service turns it into a ``Completion``."""
+
+    body: dict[str, Any]
+    tier: str
+    rule: str
+    score: str
+    kind: str  # exact | semantic
+    similarity: float = 1.0

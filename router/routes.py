@@ -1,0 +1,294 @@
+"""The HTTP routes and the mapping of every exception to an OpenAI-shaped error body.
+
+Handlers only parse, call ``RouterService`` and turn its ``Completion`` into a response; the
+middleware (``router.middleware``) has already authenticated the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.response import Stream
+from litestar.status_codes import HTTP_200_OK
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router import api_types
+from router.auth import Caller
+from router.calls import CallContext, Completion
+from router.dashboard import DASHBOARD_HTML, dashboard_data
+from router.errors import AuthError, BadRequestError, ModelNotFoundError, PayloadTooLargeError, RouterError
+from router.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, message_text
+from router.service import RouterService
+from router.telemetry import Telemetry
+
+__all__ = ["ROUTES", "error_response"]
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {
+    400: ResponseSpec(api_types.ErrorResponse, description="Invalid request (names the param)"),
+    401: ResponseSpec(api_types.ErrorResponse, description="Missing or invalid API key"),
+    404: ResponseSpec(api_types.ErrorResponse, description="Unknown model"),
+    413: ResponseSpec(api_types.ErrorResponse, description="Body too large"),
+    429: ResponseSpec(
+        api_types.ErrorResponse, description="Tier at capacity or tenant rate limit (Retry-After)"
+    ),
+    503: ResponseSpec(
+        api_types.ErrorResponse, description="Not ready, draining, or queue timeout (Retry-After)"
+    ),
+}
+
+
+def _service(request: Request[Any, Any, Any]) -> RouterService:
+    return request.app.state.service
+
+
+def _context(request: Request[Any, Any, Any]) -> CallContext:
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    state = request.scope.get("state", {})
+    # The tenant is the authenticated caller's (router.middleware): never the raw x-tenant header.
+    caller: Caller | None = state.get("caller")
+    cache_control = headers.get("cache-control", "").lower()
+    return CallContext(
+        headers=headers,
+        tenant=caller.tenant if caller is not None else None,
+        no_cache="no-cache" in cache_control or "no-store" in cache_control,
+        span=state.get("span"),
+        principal=caller.principal if caller is not None else None,
+    )
+
+
+async def _respond(request: Request[Any, Any, Any], work: asyncio.Task[Completion]) -> Response[Any]:
+    """Await ``work`` while watching for a client disconnect, which cancels it (freeing the slot)."""
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                finished = await work
+                if finished.stream is not None:  # done just as the client left: release it now
+                    await _aclose_quietly(finished.stream)
+            return Response(content=b"", status_code=499)
+        result = work.result()
+    finally:
+        watcher.cancel()
+    if result.stream is not None:
+        return Stream(
+            _closing(result.stream),
+            media_type="text/event-stream",
+            headers={**result.headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+    return Response(content=result.body, headers=result.headers, status_code=HTTP_200_OK)
+
+
+async def _closing(stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    """Pass chunks through; whatever ends the response (a disconnect included) closes the source,
+    which aborts the engine request."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        await _aclose_quietly(stream)
+
+
+async def _aclose_quietly(stream: AsyncIterator[bytes]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+
+
+async def _wait_disconnect(request: Request[Any, Any, Any]) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- routes ---------------------------------------------------------------------------------------
+@post(
+    "/v1/chat/completions",
+    status_code=HTTP_200_OK,
+    summary="Create a chat completion (routed by complexity when model is 'auto')",
+    responses={
+        200: ResponseSpec(
+            api_types.ChatCompletion, description="Completion, or an SSE stream of chunks when stream=true"
+        ),
+        **_ERRORS,
+    },
+)
+async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[Any]:
+    service = _service(request)
+    return await _respond(request, asyncio.create_task(service.chat(data, _context(request))))
+
+
+@post(
+    "/v1/completions",
+    status_code=HTTP_200_OK,
+    summary="Create a text completion",
+    responses={
+        200: ResponseSpec(
+            api_types.TextCompletion, description="Completion, or an SSE stream when stream=true"
+        ),
+        **_ERRORS,
+    },
+)
+async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[Any]:
+    service = _service(request)
+    return await _respond(request, asyncio.create_task(service.complete(data, _context(request))))
+
+
+@get("/v1/models", summary="List models: 'auto' plus every tier and alias")
+async def list_models(request: Request[Any, Any, Any]) -> api_types.ModelList:
+    service = _service(request)
+    created = 1735689600
+    return api_types.ModelList(
+        data=[
+            api_types.Model(id=name, created=created, owned_by="tiered-router")
+            for name in service.model_names()
+        ]
+    )
+
+
+@get("/v1/models/{model_id:str}", summary="Retrieve one model", responses={404: _ERRORS[404]})
+async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> api_types.Model:
+    if model_id not in _service(request).model_names():
+        raise ModelNotFoundError(f"The model '{model_id}' does not exist.", param="model")
+    return api_types.Model(id=model_id, created=1735689600, owned_by="tiered-router")
+
+
+@post(
+    "/v1/route",
+    status_code=HTTP_200_OK,
+    summary="Show the routing decision for a prompt, without generating",
+    responses={200: ResponseSpec(api_types.RouteDecision), **_ERRORS},
+)
+async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[Any]:
+    started = time.perf_counter()
+    service = _service(request)
+    if data.messages is None and data.prompt is None:
+        raise BadRequestError("Give 'messages' or 'prompt'.", param="messages")
+    messages = (
+        [{"role": m.role, "content": message_text(m.content)} for m in data.messages]
+        if data.messages is not None
+        else None
+    )
+    info = service.route_info(_context(request), data.model, messages, data.prompt)
+    headers = {
+        "x-router-tier": info["tier"],
+        "x-router-score": f"{info['score']:.4f}",
+        "x-router-rule": info["rule"],
+        # The decision's own cost (classify + decide), apart from the app's total in `app;dur`.
+        "server-timing": f"route;dur={(time.perf_counter() - started) * 1000:.3f}",
+    }
+    return Response(content=info, headers=headers)
+
+
+@get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/readyz", summary="Readiness: every tier loaded and warmed up; 503 while loading or draining")
+async def readyz(request: Request[Any, Any, Any]) -> Response[Any]:
+    service = _service(request)
+    state = request.app.state
+    if service.ready:
+        return Response(content={"status": "ready"}, status_code=200)
+    # No exception text, tier names or paths: probes are unauthenticated. The cause is in the log.
+    reason = "draining" if service.draining else ("failed" if state.load_error else "loading")
+    return Response(
+        content={"status": "not ready", "reason": reason}, status_code=503, headers={"retry-after": "5"}
+    )
+
+
+@get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    telemetry: Telemetry = request.app.state.telemetry
+    return Response(content=generate_latest(telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/dashboard", summary="Live status page", media_type="text/html", include_in_schema=False)
+async def dashboard() -> Response[str]:
+    return Response(content=DASHBOARD_HTML, media_type="text/html")
+
+
+@get("/dashboard/data", summary="Dashboard figures (JSON)", include_in_schema=False)
+async def dashboard_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    return dashboard_data(request.app.state.telemetry, _service(request))
+
+
+# -- error mapping --------------------------------------------------------------------------------
+_BACKTICK = re.compile(r"`([^`]+)`")
+
+
+def _validation_param(exc: ValidationException) -> tuple[str | None, str]:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    for item in extra:
+        if isinstance(item, dict):
+            key = item.get("key")
+            message = str(item.get("message", exc.detail))
+            if key == "data":  # "Object missing required field `model`"
+                m = _BACKTICK.search(message)
+                key = m.group(1) if m and "missing required field" in message else None
+            return (str(key) if key else None), message
+    return None, str(exc.detail)
+
+
+def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    if isinstance(exc, RouterError):
+        err = exc
+    elif isinstance(exc, RecursionError):  # msgspec refuses JSON nested deeper than it can decode
+        err = BadRequestError("Invalid JSON body: nested too deeply.", code="invalid_json")
+    elif isinstance(exc, ValidationException):
+        param, message = _validation_param(exc)
+        if "malformed" in message.lower() or ("json" in str(exc.detail).lower() and param is None):
+            err = BadRequestError(f"Invalid JSON body: {exc.detail}", code="invalid_json")
+        else:
+            where = f" at '{param}'" if param else ""
+            err = BadRequestError(f"Invalid request{where}: {message}", param=param)
+    elif isinstance(exc, HTTPException):
+        if exc.status_code == 413:
+            err = PayloadTooLargeError("Request body is too large.", code="request_too_large")
+        elif exc.status_code == 404:
+            err = ModelNotFoundError(f"Unknown path '{request.url.path}'.", code="not_found")
+            err.error_type = "invalid_request_error"
+        elif exc.status_code == 401:
+            err = AuthError(str(exc.detail))
+        else:
+            err = RouterError(str(exc.detail), code="http_error")
+            err.status_code = exc.status_code
+            err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    else:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        err = RouterError("Internal server error.")
+    headers = {}
+    if err.retry_after is not None:
+        headers["retry-after"] = str(max(1, round(err.retry_after)))
+    if err.status_code == 401:
+        headers["www-authenticate"] = "Bearer"
+    return Response(content=err.to_body(), status_code=err.status_code, headers=headers)
+
+
+ROUTES = [
+    chat_completions,
+    completions,
+    list_models,
+    retrieve_model,
+    route,
+    healthz,
+    readyz,
+    metrics,
+    dashboard,
+    dashboard_json,
+]
