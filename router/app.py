@@ -33,12 +33,14 @@ def create_app(
     watch_policy: bool = True,
     reload_interval_s: float = 0.5,
     admin_separate: bool = False,
+    body_timeout_s: float = 30.0,
 ) -> Litestar:
     """Build the app for ``policy_path`` (validated now: a broken file raises ``PolicyError``).
 
     ``tiers`` lets tests inject prebuilt tiers; normally they load in the background at startup.
     ``admin_separate``: operator endpoints (``/metrics``, ``/dashboard``, ``/schema``) are served
     only through ``admin_listener(app)`` on another port; otherwise they need an API key.
+    ``body_timeout_s``: longest pause between two request body chunks (408 past it).
     """
     policy = load_policy(policy_path)
     auth = Authenticator.from_policy(policy)
@@ -58,6 +60,13 @@ def create_app(
         # The middleware enforces the live policy's service.max_body_bytes (it follows reloads).
         request_max_body_size=None,
         openapi_config=OpenAPIConfig(title="tiered-router", version="0.1.0", path="/schema"),
-        state=State({"policy_path": str(policy_path), "auth": auth, "admin_separate": admin_separate}),
+        state=State(
+            {
+                "policy_path": str(policy_path),
+                "auth": auth,
+                "admin_separate": admin_separate,
+                "body_timeout_s": body_timeout_s,
+            }
+        ),
         debug=False,
     )

@@ -109,26 +109,50 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from router.app import create_app
+    from router.app import admin_listener, create_app
     from router.errors import PolicyError
+    from router.server import ServerLimits, uvicorn_config
 
+    admin = args.admin_port > 0
+    limits = ServerLimits(
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+    )
     try:
-        app = create_app(args.policy)
+        app = create_app(args.policy, admin_separate=admin, body_timeout_s=limits.body_timeout_s)
     except PolicyError as exc:
         return _policy_error_exit(exc)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=10,
-        access_log=args.access_log,
+    if app.state.auth.open and args.host not in _LOOPBACK and not args.allow_open:
+        print(
+            f"refusing to serve {args.policy} without auth on {args.host}: its service.auth.mode is "
+            "'open'. Bind to 127.0.0.1, configure API keys (mode: keys), or pass --allow-open.",
+            file=sys.stderr,
+        )
+        return 2
+    common = {"log_level": args.log_level, "timeout_graceful_shutdown": 10}
+    config = uvicorn_config(
+        app, args.host, args.port, limits, lifespan="on", access_log=args.access_log, **common
     )
-    server = DrainingServer(config, app)
+    admin_config = (
+        uvicorn_config(
+            admin_listener(app),
+            args.admin_host or args.host,
+            args.admin_port,
+            limits,
+            lifespan="off",
+            **common,
+        )
+        if admin
+        else None
+    )
+    server = DrainingServer(config, app, admin_config)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(server.serve())
     return 0
@@ -151,11 +175,12 @@ class DrainingServer:
     lifespan cancels what is left and flushes telemetry. A second signal stops at once.
     """
 
-    def __init__(self, config: Any, app: Any) -> None:
+    def __init__(self, config: Any, app: Any, admin_config: Any = None) -> None:
         import uvicorn
 
         self.app = app
         self.server = uvicorn.Server(config)
+        self.admin = uvicorn.Server(admin_config) if admin_config is not None else None
         self._signals = 0
 
     async def serve(self) -> None:
@@ -164,15 +189,26 @@ class DrainingServer:
         task = loop.create_task(self.server.serve())
         while not self.server.started and not task.done():
             await asyncio.sleep(0.05)
+        admin_task = None
+        if self.admin is not None and not task.done():
+            admin_task = loop.create_task(self.admin.serve())
+            while not self.admin.started and not admin_task.done():
+                await asyncio.sleep(0.05)
+            if admin_task.done():  # the admin port could not be bound: stop the API side too
+                self.server.should_exit = True
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         await task
+        if admin_task is not None:
+            self.admin.should_exit = True  # type: ignore[union-attr]
+            await admin_task
 
     def _on_signal(self) -> None:
         self._signals += 1
         if self._signals > 1:
-            self.server.force_exit = True
-            self.server.should_exit = True
+            for server in (self.server, self.admin):
+                if server is not None:
+                    server.force_exit = server.should_exit = True
             return
         asyncio.get_running_loop().create_task(self._drain())
 
@@ -198,6 +234,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=8081,
+        help="port for /metrics, /dashboard, /schema (unauthenticated there, 404 on the API port); "
+        "0 = serve them on the API port behind auth",
+    )
+    p.add_argument("--admin-host", default=None, help="address of the admin port (default: --host)")
+    p.add_argument(
+        "--allow-open",
+        action="store_true",
+        help="allow a policy with service.auth.mode: open on a non-loopback address",
+    )
+    p.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds to receive a request head (408)"
+    )
+    p.add_argument("--body-timeout", type=float, default=30.0, help="longest pause between body chunks (408)")
+    p.add_argument(
+        "--keep-alive-timeout", type=int, default=5, help="idle keep-alive connections close after"
+    )
+    p.add_argument("--max-connections", type=int, default=1024, help="connections + requests; 503 beyond")
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=256,
+        help="connections one client address may hold (0 = unlimited, e.g. behind a proxy)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("route", help="print the routing decision for a prompt as JSON")

@@ -4,6 +4,7 @@ polls ``/dashboard/data`` (figures computed here from the app's own Prometheus r
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,7 +81,9 @@ def dashboard_data(telemetry: Telemetry, service: RouterService) -> dict[str, An
         tiers.append(
             {
                 "name": name,
-                "model": cfg.model,
+                # Remote tiers show as "remote": their URLs (and any credentials in them) and local
+                # model paths stay off the page.
+                "model": "remote" if cfg.is_remote else Path(cfg.model).name,
                 "quantization": cfg.quantization,
                 "draft": cfg.draft,
                 "running": running.get(name, 0.0),
@@ -100,7 +103,7 @@ def dashboard_data(telemetry: Telemetry, service: RouterService) -> dict[str, An
         "time": time.time(),
         "ready": service.ready,
         "draining": service.draining,
-        "policy": {"source": service.policy.source, "version": service.policy.digest[:12]},
+        "policy": {"source": Path(service.policy.source).name, "version": service.policy.digest[:12]},
         "tiers": tiers,
         "routing_mix": mix,
         "rules": rules,

@@ -11,6 +11,7 @@ Paths fall in three groups:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,7 @@ def router_middleware(app: Any) -> Any:
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
                 await send_error(send, _too_large())
                 return
-            receive = _limited(receive, limit)
+            receive = _limited(receive, limit, state.body_timeout_s)
         send = _with_server_timing(send)
         span = (
             telemetry.server_span(
@@ -153,18 +154,31 @@ def _too_large() -> RouterError:
     return PayloadTooLargeError("Request body is too large.", code="request_too_large")
 
 
-def _limited(receive: Any, limit: int) -> Any:
+def _limited(receive: Any, limit: int, timeout_s: float) -> Any:
     """Count body bytes as they arrive (chunked bodies declare no length): past the live policy's
-    ``max_body_bytes`` reading fails with 413, before the rest is buffered."""
+    ``max_body_bytes`` reading fails with 413, before the rest is buffered; a client pausing
+    longer than ``timeout_s`` between chunks gets 408 (a slow body cannot hold a slot forever).
+    Once the body is complete, later receives (the disconnect watch) pass straight through."""
     seen = 0
+    complete = False
 
     async def wrapped() -> dict[str, Any]:
-        nonlocal seen
-        message: dict[str, Any] = await receive()
+        nonlocal seen, complete
+        if complete:
+            return await receive()
+        try:
+            message: dict[str, Any] = await asyncio.wait_for(receive(), timeout_s)
+        except TimeoutError:
+            err = RouterError("Timed out reading the request body.", code="request_timeout")
+            err.status_code, err.error_type = 408, "invalid_request_error"
+            raise err from None
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise _too_large()
+            complete = not message.get("more_body", False)
+        else:
+            complete = True
         return message
 
     return wrapped

@@ -145,3 +145,33 @@ def test_sigterm_drains_in_flight_work(tiny_model_dir: Path, tmp_path: Path) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ['"evil\\r\\nset-cookie: x=1"', "café", '" padded"', '"tab\\tname"'],
+)
+def test_policy_check_rejects_names_that_are_not_header_safe(tmp_path: Path, name: str) -> None:
+    bad = tmp_path / "names.yaml"
+    bad.write_text(
+        "version: 1\ntiers:\n  small: {model: m}\nrouting:\n"
+        f"  rules:\n    - name: {name}\n      tier: small\nservice: {{auth: {{mode: open}}}}\n",
+        encoding="utf-8",
+    )
+    res = cli("policy", "check", str(bad))
+    assert res.returncode == 2, res.stdout
+    assert "routing.rules[0].name" in res.stderr and "printable ASCII" in res.stderr
+
+
+def test_policy_check_rejects_header_unsafe_tier_alias_and_tenant_names(tmp_path: Path) -> None:
+    bad = tmp_path / "names.yaml"
+    bad.write_text(
+        'version: 1\ntiers:\n  "sm\\u00e4ll": {model: m}\nrouting:\n'
+        '  aliases: {"f\\nast": "sm\\u00e4ll"}\n  rules: [{name: d, tier: "sm\\u00e4ll"}]\n'
+        'tenants: {"a\\rb": {}}\n',
+        encoding="utf-8",
+    )
+    res = cli("policy", "check", str(bad))
+    assert res.returncode == 2
+    for what in ("tier name", "alias", "tenant name"):
+        assert what in res.stderr

@@ -135,3 +135,34 @@ def test_plain_file_edit_is_seen(tiny_model_dir: Path, tmp_path: Path) -> None:
         wait_for(lambda: any(r.name == "edited" for r in srv.service.policy.routing.rules))
     finally:
         stop()
+
+
+def test_reload_rebuilds_body_limit_cache_and_telemetry_settings(
+    configmap: tuple[Server, Path, Path],
+) -> None:
+    srv, root, model = configmap
+    body = {"model": "small", "messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 2}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code != 413
+    assert srv.service.cache is None
+    text = tiny_policy_yaml(
+        model, cache_enabled=True, service_extra="  max_body_bytes: 2048\n  telemetry: {record_content: true}"
+    )
+    swap(root, "..2026_05", text)
+    wait_for(lambda: httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 413)
+    assert srv.service.cache is not None and srv.app.state.telemetry.record_content is True
+    small = {"model": "small", "messages": [{"role": "user", "content": "cache me"}], "temperature": 0}
+    small |= {"max_tokens": 30, "stop": [" ", "e", "a", "o"]}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=small).headers["x-router-cache"] == "miss"
+    assert httpx.post(srv.url + "/v1/chat/completions", json=small).headers["x-router-cache"] == "hit"
+
+
+def test_a_keys_mode_edit_without_keys_is_rejected_and_keeps_serving(
+    configmap: tuple[Server, Path, Path],
+) -> None:
+    srv, root, model = configmap
+    failures = metric(srv.url, "router_policy_reload_failures_total")
+    os.environ.pop("TEST_RELOAD_NO_KEYS", None)
+    swap(root, "..2026_06", tiny_policy_yaml(model, auth="{mode: keys, api_keys_env: TEST_RELOAD_NO_KEYS}"))
+    wait_for(lambda: metric(srv.url, "router_policy_reload_failures_total") == failures + 1)
+    assert srv.app.state.auth.open
+    assert route(srv.url)["tier"] in ("small", "medium", "large")  # still served, still open
