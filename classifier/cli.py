@@ -7,13 +7,14 @@ classifier.cli`` runs the same commands standalone. Only ``train`` imports sciki
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cmd_calibrate", "cmd_evaluate", "cmd_train", "main", "register"]
+__all__ = ["cmd_calibrate", "cmd_evaluate", "cmd_train", "cmd_train_outcomes", "main", "register"]
 
 
 def _fail(message: str) -> int:
@@ -21,9 +22,34 @@ def _fail(message: str) -> int:
     return 2
 
 
+def cmd_train_outcomes(args: argparse.Namespace) -> int:
+    from classifier.outcome_train import OUTCOME_CONFIG, PROXY_PATH, train_outcomes
+
+    paths = [Path(args.outcomes), *(Path(p) for p in args.extra or [])]
+    for path in paths:
+        if not path.is_file():
+            return _fail(f"no such file: {path}")
+    extra = [] if args.no_proxy else [PROXY_PATH]
+    config = OUTCOME_CONFIG
+    if args.heldout_fraction is not None:
+        config = dataclasses.replace(config, heldout_fraction=args.heldout_fraction)
+    try:
+        metadata = train_outcomes(paths[0], args.out, config, [*extra, *paths[1:]])
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(
+        json.dumps({"out": str(args.out), "training_data": metadata["training_data"], **metadata["metrics"]})
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from classifier.train import CANDIDATES, train
 
+    if args.outcomes is not None:
+        return cmd_train_outcomes(args)
+    if args.data is None:
+        return _fail("give --data (labeled prompts) or --outcomes (weak/strong outcomes)")
     data = Path(args.data)
     if not data.is_file():
         return _fail(f"no such file: {data}")
@@ -40,8 +66,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from classifier.evaluate import evaluate, format_report
+    from classifier.evaluate import evaluate, evaluate_outcomes, format_report
 
+    if args.outcomes is not None:
+        if not Path(args.outcomes).is_file():
+            return _fail(f"no such file: {args.outcomes}")
+        try:
+            result = evaluate_outcomes(args.outcomes, args.model, args.subjects, args.png)
+        except (ValueError, FileNotFoundError) as exc:
+            return _fail(str(exc))
+        if args.json:
+            print(json.dumps(result))
+        else:
+            base = result["baselines"]
+            print(f"n {result['n']}  subjects {result['subjects']}")
+            print(
+                f"APGR {result['apgr']:.4f}  CPT(50%) {result['cpt_50']:.4f}  CPT(80%) {result['cpt_80']:.4f}"
+            )
+            print(
+                f"prompt length APGR {base['prompt_length']['apgr']:.4f}  random {base['random']['apgr']:.4f}"
+            )
+            print(f"latency p50 {result['p50_ms']:.3f} ms   p99 {result['p99_ms']:.3f} ms")
+        return 0
+    if args.data is None:
+        return _fail("give --data (labeled prompts) or --outcomes (weak/strong outcomes)")
     if not Path(args.data).is_file():
         return _fail(f"no such file: {args.data}")
     try:
@@ -61,6 +109,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         result = calibrate(args.data, parse_shares(args.shares), args.model)
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
+    if args.write_policy is not None:
+        from classifier.calibrate import write_policy
+
+        try:
+            result["written"] = {
+                "policy": args.write_policy,
+                "rules": write_policy(args.write_policy, result["thresholds"]),
+            }
+        except (ValueError, FileNotFoundError) as exc:
+            return _fail(str(exc))
     if args.json:
         print(json.dumps(result))
         return 0
@@ -85,8 +143,24 @@ def register(subparsers: Any) -> None:
 def _add_commands(sub: Any) -> None:
     from classifier.train import CANDIDATES, DEFAULT_CONFIG  # cheap: scikit-learn loads inside train()
 
-    p = sub.add_parser("train", help="train on a labeled JSONL file and export model.onnx + metadata.json")
-    p.add_argument("--data", required=True, help='JSONL lines {"prompt": ..., "label": small|medium|large}')
+    p = sub.add_parser(
+        "train", help="train on labeled prompts or on outcomes; export model.onnx + metadata.json"
+    )
+    p.add_argument("--data", help='JSONL lines {"prompt": ..., "label": small|medium|large}')
+    p.add_argument(
+        "--outcomes",
+        help='outcome JSONL(.gz): {"prompt", "weak", "strong"} or {"prompt", "outcomes": {tier: score}} '
+        "(the routing score; the shipped artifact)",
+    )
+    p.add_argument(
+        "--extra", nargs="*", help="--outcomes: more outcome files (shadow log, feedback) to train on"
+    )
+    p.add_argument("--no-proxy", action="store_true", help="--outcomes: leave out the bundled proxy corpus")
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        help="--outcomes: share of subjects kept out for evaluation (default 0.25)",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -97,8 +171,13 @@ def _add_commands(sub: Any) -> None:
     )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="accuracy, confusion and latency on a labeled JSONL file")
-    p.add_argument("--data", required=True)
+    p = sub.add_parser("evaluate", help="accuracy on labeled prompts, or APGR/CPT on outcomes")
+    p.add_argument("--data", help="labeled JSONL: accuracy, confusion, latency")
+    p.add_argument("--outcomes", help="outcome JSONL(.gz): APGR, CPT(50%%), CPT(80%%), curve, baselines")
+    p.add_argument(
+        "--subjects", choices=["heldout", "all"], default="heldout", help="--outcomes: rows to score"
+    )
+    p.add_argument("--png", help="--outcomes: write the PGR curve here")
     p.add_argument("--model", help="model directory or model.onnx (default: the shipped artifact)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=cmd_evaluate)
@@ -106,6 +185,9 @@ def _add_commands(sub: Any) -> None:
     p = sub.add_parser("calibrate", help="score_below thresholds that give target traffic shares")
     p.add_argument("--data", required=True, help='JSONL lines {"prompt": ...} (label optional)')
     p.add_argument("--shares", required=True, help="e.g. small=0.5,medium=0.3,large=0.2")
+    p.add_argument(
+        "--write-policy", help="policy YAML whose score rules get the thresholds (in place, validated)"
+    )
     p.add_argument("--model", help="model directory or model.onnx (default: the shipped artifact)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_calibrate)

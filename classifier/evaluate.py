@@ -17,7 +17,7 @@ import numpy as np
 
 from classifier.data import LABELS, load_jsonl
 
-__all__ = ["classification_metrics", "evaluate", "format_report"]
+__all__ = ["classification_metrics", "evaluate", "evaluate_outcomes", "format_report"]
 
 WARMUP_CALLS = 50
 
@@ -98,3 +98,56 @@ def format_report(metrics: dict[str, Any]) -> str:
     ]
     lines += [t.ljust(10) + "".join(str(confusion[t][p]).rjust(9) for p in labels) for t in labels]
     return "\n".join(lines)
+
+
+def evaluate_outcomes(
+    data_path: str | Path,
+    model_path: str | Path | None = None,
+    subjects: str = "heldout",
+    png: str | Path | None = None,
+    latency_prompts: int = 500,
+) -> dict[str, Any]:
+    """RouteLLM's routing metrics of ``value`` on an outcome file (:mod:`classifier.outcomes`).
+
+    ``subjects``: ``"heldout"`` scores only the subjects that outcome training keeps out (when
+    rows carry subjects; every row otherwise), ``"all"`` every row. Baselines on the same rows:
+    prompt length in characters and the mean of 50 random routers. ``png`` plots the curves.
+    """
+    from classifier.inference import ComplexityClassifier
+    from classifier.outcomes import heldout_subjects, load_outcomes, plot_curves, random_apgr, routing_metrics
+
+    if subjects not in ("heldout", "all"):
+        raise ValueError(f"subjects must be 'heldout' or 'all', not {subjects!r}")
+    rows = load_outcomes(data_path)
+    chosen: list[str] | None = None
+    if subjects == "heldout" and any("subject" in r for r in rows):
+        chosen = heldout_subjects([r["subject"] for r in rows if "subject" in r])
+        keep = set(chosen)
+        rows = [r for r in rows if r.get("subject") in keep]
+    clf = ComplexityClassifier.load(model_path)
+    prompts = [r["prompt"] for r in rows]
+    weak, strong = [r["weak"] for r in rows], [r["strong"] for r in rows]
+    values = [s.value for s in clf.score_batch(prompts)]
+    result = routing_metrics(values, weak, strong)
+    length = routing_metrics([len(p) for p in prompts], weak, strong)
+    result["subjects"] = chosen if chosen is not None else "all"
+    result["baselines"] = {
+        "prompt_length": {k: length[k] for k in ("apgr", "cpt_50", "cpt_80")},
+        "random": {"apgr": random_apgr(weak, strong)},
+    }
+    sample = prompts[:latency_prompts]
+    for i in range(WARMUP_CALLS):
+        clf.score(sample[i % len(sample)])
+    times_ns = []
+    for prompt in sample:
+        start = time.perf_counter_ns()
+        clf.score(prompt)
+        times_ns.append(time.perf_counter_ns() - start)
+    ms = np.asarray(times_ns, dtype=np.float64) / 1e6
+    result["p50_ms"], result["p99_ms"] = float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+    if png is not None:
+        plot_curves(
+            {"value": result, "prompt length": length}, png, f"{Path(data_path).name}: {len(rows)} prompts"
+        )
+        result["png"] = str(png)
+    return result

@@ -37,21 +37,35 @@ def _as_list(x: Any) -> list[str]:
     return [str(v) for v in arr.reshape(-1)]
 
 
+Groups = tuple[tuple[str, tuple[str, ...]], ...]
+
+
 class TokenCounts(TransformerMixin, BaseEstimator):
-    """``log1p`` of the token-group counts of :data:`classifier.text.COUNT_FEATURES`."""
+    """``log1p`` of token-group counts: :data:`classifier.text.COUNT_FEATURES` unless ``groups``.
+
+    The routing score uses :data:`classifier.text.OUTCOME_GROUPS` (the same counts plus domain
+    cues); the first group must be the total token count.
+    """
+
+    def __init__(self, groups: Groups | None = None) -> None:
+        self.groups = groups
+
+    def _groups(self) -> Groups:
+        return self.groups if self.groups is not None else COUNT_FEATURES
 
     def fit(self, x: Any, y: Any = None) -> TokenCounts:
-        self.n_features_out_ = len(COUNT_FEATURES)
+        self.n_features_out_ = len(self._groups())
         return self
 
     def transform(self, x: Any) -> np.ndarray:
-        rows = [count_features(t) for t in _as_list(x)]
+        groups = self._groups()
+        rows = [count_features(t, groups) for t in _as_list(x)]
         return np.log1p(np.asarray(rows, dtype=np.float64).reshape(-1, self.n_features_out_)).astype(
             np.float32
         )
 
     def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
-        return np.asarray([f"count_{name}" for name, _ in COUNT_FEATURES], dtype=object)
+        return np.asarray([f"count_{name}" for name, _ in self._groups()], dtype=object)
 
 
 def _shape_token_counts(operator: Any) -> None:
@@ -61,9 +75,9 @@ def _shape_token_counts(operator: Any) -> None:
     operator.outputs[0].type = FloatTensorType([n, operator.raw_operator.n_features_out_])
 
 
-def _pool() -> tuple[list[str], list[str], np.ndarray]:
+def _pool(groups: Groups = COUNT_FEATURES) -> tuple[list[str], list[str], np.ndarray]:
     """Unigrams, bigrams, and the [pool, groups] 0/1 matrix summing pool counts into groups."""
-    grouped = [(name, group) for name, group in COUNT_FEATURES if name != TOTAL_TOKENS]
+    grouped = [(name, group) for name, group in groups if name != TOTAL_TOKENS]
     unigrams = sorted({g for _, group in grouped for g in group if " " not in g})
     bigrams = sorted({g for _, group in grouped for g in group if " " in g})
     pool = unigrams + bigrams
@@ -78,8 +92,9 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
     from onnx import TensorProto
 
     name = scope.get_unique_variable_name
-    unigrams, bigrams, matrix = _pool()
-    if COUNT_FEATURES[0][0] != TOTAL_TOKENS:
+    groups = operator.raw_operator._groups()
+    unigrams, bigrams, matrix = _pool(groups)
+    if groups[0][0] != TOTAL_TOKENS:
         raise ValueError("the converter expects the total token count first")
 
     def const(prefix: str, dtype: int, dims: list[int], values: Any) -> str:

@@ -16,12 +16,16 @@ from classifier.text import MAX_CHARS, clean_text, model_views, views
 
 __all__ = [
     "ARTIFACT_DIR",
+    "COMPLEXITY_DIR",
     "ComplexityClassifier",
     "ComplexityScore",
     "message_text",
 ]
 
 ARTIFACT_DIR = Path(__file__).resolve().parent / "artifacts"
+# The shipped default (artifacts/) is the outcome-trained routing score; the earlier model of the
+# hand-labeled complexity taxonomy stays loadable from here (``classifier train --data`` makes it).
+COMPLEXITY_DIR = ARTIFACT_DIR / "complexity"
 MODEL_FILE = "model.onnx"
 METADATA_FILE = "metadata.json"
 # Difficulty of each tier on the [0, 1] scale of ComplexityScore.value.

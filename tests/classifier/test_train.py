@@ -11,7 +11,7 @@ import pytest
 
 from classifier import ComplexityClassifier
 from classifier.data import HELDOUT_PATH, TRAIN_PATH, load_jsonl, write_jsonl
-from classifier.inference import ARTIFACT_DIR
+from classifier.inference import COMPLEXITY_DIR
 from classifier.train import (
     CANDIDATES,
     DEFAULT_CONFIG,
@@ -105,8 +105,8 @@ def test_train_rejects_unknown_model(subset: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_retraining_reproduces_the_shipped_artifact(tmp_path: Path) -> None:
-    meta = json.loads((ARTIFACT_DIR / "metadata.json").read_text())
+def test_retraining_reproduces_the_complexity_artifact(tmp_path: Path) -> None:
+    meta = json.loads((COMPLEXITY_DIR / "metadata.json").read_text())
     assert (
         meta["training_data"]["sha256"] == __import__("hashlib").sha256(TRAIN_PATH.read_bytes()).hexdigest()
     )
@@ -114,7 +114,7 @@ def test_retraining_reproduces_the_shipped_artifact(tmp_path: Path) -> None:
     for key in ("n", "accuracy", "macro_f1", "confusion", "severe_error_rate"):
         assert fresh["metrics"]["heldout"][key] == meta["metrics"]["heldout"][key], key
     prompts = [r["prompt"] for r in load_jsonl(HELDOUT_PATH)]
-    shipped = ComplexityClassifier.load()
+    shipped = ComplexityClassifier.load(COMPLEXITY_DIR)
     rebuilt = ComplexityClassifier.load(tmp_path)
     np.testing.assert_allclose(rebuilt.predict_proba(prompts), shipped.predict_proba(prompts), atol=1e-6)
 

@@ -1,0 +1,378 @@
+"""The outcome-trained routing score: learn where the cheap tier falls short, export one ONNX graph.
+
+``train_outcomes()`` fits a logistic regression of ``gain = strong succeeded where weak did not``
+(the only case in which sending a prompt up buys quality) on outcome rows
+(:mod:`classifier.outcomes`), over features that transfer across benchmarks:
+
+* :class:`~classifier.features.TokenCounts` over :data:`~classifier.text.OUTCOME_GROUPS`: length
+  and structure (tokens, lines, numbers, questions, sentences, code symbols) and domain cues
+  (maths, code, reasoning, writing, role-play, chat, multiple-choice), standardized;
+* optionally a word TF-IDF (unigrams), strongly regularized.
+
+The graph outputs the same ``probabilities`` [N, 3] over small/medium/large as the complexity
+model, so policies, ``predicted`` and escalation keep working: with ``p = P(gain)``, the tiers
+get the Binomial(2, p) masses ``(1-p)^2, 2p(1-p), p^2``. Their expected tier weight
+``0.5 * P(medium) + P(large)`` is exactly ``p``, so :attr:`ComplexityScore.value` is the learned
+probability itself and thresholds on it carry the quality/cost trade-off directly.
+
+Everything is deterministic: the subject split is by hash, the solver is deterministic and the
+sample order is the file's, so ``tiered-router classifier train --outcomes ...`` reproduces the
+shipped artifact byte for byte (a test checks the graph; README shows the command).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from classifier.data import DATA_DIR, LABELS
+from classifier.outcomes import (
+    HELDOUT_SUBJECT_FRACTION,
+    OutcomeRow,
+    heldout_subjects,
+    load_outcomes,
+    routing_metrics,
+)
+from classifier.text import OUTCOME_GROUPS, WORD_TOKEN_PATTERN
+
+__all__ = [
+    "DROPPED_SUBJECTS",
+    "OUTCOME_CONFIG",
+    "OUTCOME_VERSION",
+    "PROXY_PATH",
+    "OutcomeConfig",
+    "export_outcome_onnx",
+    "fit_outcomes",
+    "outcome_proba",
+    "train_outcomes",
+]
+
+OUTCOME_VERSION = "2.0.0"
+# The hand-written outcome-proxy corpus (classifier/README.md, "Routing score"): free-form
+# prompts of the kinds MMLU lacks (writing, role-play, chat, maths word problems, code), with
+# outcomes set from their category's published weak/strong gap.
+PROXY_PATH = DATA_DIR / "outcome_proxy.jsonl"
+# RouteLLM's MMLU file has GPT-4 at 3 % on high_school_mathematics (chance is 25 %, Mixtral 32 %):
+# its answers were not extracted, not wrong. Training on it would teach "maths: weak is better".
+DROPPED_SUBJECTS: tuple[str, ...] = ("high_school_mathematics",)
+
+
+@dataclass(frozen=True)
+class OutcomeConfig:
+    name: str = "lr-outcome-groups"
+    c: float = 0.3
+    """Inverse L2 strength of the logistic regression."""
+    word_max_features: int = 0
+    """Word TF-IDF vocabulary (0: off). Measured not to transfer across subjects; see README."""
+    proxy_weight: float = 3.0
+    """Sample weight of each proxy-corpus row (an MMLU row weighs 1)."""
+    heldout_fraction: float = HELDOUT_SUBJECT_FRACTION
+    """Share of subjects kept out of training for evaluation (0: train on every subject)."""
+
+
+OUTCOME_CONFIG = OutcomeConfig()
+
+
+def _features(config: OutcomeConfig) -> Any:
+    from skl2onnx.sklapi import TraceableTfidfVectorizer
+    from sklearn.compose import ColumnTransformer
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from classifier.features import TokenCounts
+
+    parts: list[tuple[str, Any, int]] = [
+        ("counts", Pipeline([("tokens", TokenCounts(OUTCOME_GROUPS)), ("scale", StandardScaler())]), 0)
+    ]
+    if config.word_max_features > 0:
+        words = TraceableTfidfVectorizer(
+            token_pattern=WORD_TOKEN_PATTERN,
+            ngram_range=(1, 1),
+            max_features=config.word_max_features,
+            min_df=5,
+            binary=True,
+            lowercase=False,
+            dtype=np.float32,
+        )
+        parts.append(("word", words, 0))
+    return ColumnTransformer(parts, sparse_threshold=1.0)
+
+
+def _targets(rows: Sequence[OutcomeRow]) -> np.ndarray:
+    return np.array([1 if r["strong"] > r["weak"] else 0 for r in rows], dtype=np.int64)
+
+
+def fit_outcomes(
+    rows: Sequence[OutcomeRow], config: OutcomeConfig = OUTCOME_CONFIG, weights: Sequence[float] | None = None
+) -> Any:
+    """A fitted Pipeline(features, LogisticRegression) over model_rows() input; classes [0, 1]."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+
+    from classifier.features import register_converters
+    from classifier.train import model_rows
+
+    y = _targets(rows)
+    if len(set(y.tolist())) < 2:
+        raise ValueError(
+            "outcome rows must include prompts where the strong tier helped and where it did not"
+        )
+    register_converters()
+    features = _features(config)
+    x = features.fit_transform(model_rows([r["prompt"] for r in rows]))
+    # lbfgs is deterministic for a given input; tol tight so retraining reproduces the weights.
+    linear = LogisticRegression(C=config.c, max_iter=5000, tol=1e-8)
+    linear.fit(x, y, sample_weight=None if weights is None else np.asarray(weights, dtype=np.float64))
+    return Pipeline([("features", features), ("classifier", linear)])
+
+
+def outcome_proba(pipeline: Any, prompts: Sequence[str]) -> np.ndarray:
+    """scikit-learn P(gain) per prompt (the reference the ONNX graph must match)."""
+    from classifier.train import model_rows
+
+    return np.asarray(pipeline.predict_proba(model_rows(prompts)))[:, 1]
+
+
+def tier_masses(p: np.ndarray) -> np.ndarray:
+    """[N, 3] Binomial(2, p) masses in LABELS order; their expected tier weight is p."""
+    p = np.asarray(p, dtype=np.float64).reshape(-1, 1)
+    q = 1.0 - p
+    return np.hstack([q * q, 2.0 * p * q, p * p])
+
+
+def _append_tier_head(model: Any) -> Any:
+    """Rename the binary ``probabilities`` output and compute the three tier masses from it."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    binary = "gain_probabilities"
+    for node in graph.node:
+        for i, out in enumerate(node.output):
+            if out == "probabilities":
+                node.output[i] = binary
+    for o in list(graph.output):
+        graph.output.remove(o)
+
+    def const(name: str, dtype: int, dims: list[int], vals: list[Any]) -> str:
+        graph.initializer.append(helper.make_tensor(name, dtype, dims, vals))
+        return name
+
+    one = const("tier_one", TensorProto.FLOAT, [], [1.0])
+    two = const("tier_two", TensorProto.FLOAT, [], [2.0])
+    idx = const("tier_gain_index", TensorProto.INT64, [1], [1])
+    graph.node.extend(
+        [
+            helper.make_node("Gather", [binary, idx], ["tier_p"], name="tier_p", axis=1),
+            helper.make_node("Sub", [one, "tier_p"], ["tier_q"], name="tier_q"),
+            helper.make_node("Mul", ["tier_q", "tier_q"], ["tier_small"], name="tier_small"),
+            helper.make_node("Mul", ["tier_p", "tier_q"], ["tier_pq"], name="tier_pq"),
+            helper.make_node("Mul", [two, "tier_pq"], ["tier_medium"], name="tier_medium"),
+            helper.make_node("Mul", ["tier_p", "tier_p"], ["tier_large"], name="tier_large"),
+            helper.make_node(
+                "Concat",
+                ["tier_small", "tier_medium", "tier_large"],
+                ["probabilities"],
+                name="tier_probabilities",
+                axis=1,
+            ),
+        ]
+    )
+    graph.output.append(helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 3]))
+    return model
+
+
+def export_outcome_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -> Any:
+    """One graph: ``text`` [N, 2] -> ``probabilities`` [N, 3] (small, medium, large)."""
+    import onnx
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    from classifier.features import register_converters
+    from classifier.graph import optimize
+    from classifier.train import IR_VERSION, TARGET_OPSET
+
+    register_converters()
+    clf = pipeline.named_steps["classifier"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The conversion of CountVectorizer may not work")
+        model = convert_sklearn(
+            pipeline,
+            name="tiered-router-routing-score",
+            initial_types=[("text", StringTensorType([None, 2]))],
+            options={id(clf): {"zipmap": False}},
+            target_opset=TARGET_OPSET,
+        )
+    _append_tier_head(model)
+    # The label output is gone: drop the nodes that only fed it.
+    _prune(model)
+    optimize(model)
+    model.ir_version = IR_VERSION
+    # skl2onnx collects opset domains in a set: sort them so retraining is byte-for-byte stable
+    # across processes (string hashing is randomized per process).
+    opsets = sorted((o.domain, o.version) for o in model.opset_import)
+    del model.opset_import[:]
+    for domain, version in opsets:
+        model.opset_import.add(domain=domain, version=version)
+    model.producer_name = "tiered-router"
+    model.doc_string = (
+        "Routing score: model_views() strings in; Binomial(2, P(strong tier needed)) tier masses out."
+    )
+    props = {"labels": json.dumps(list(LABELS)), **(metadata or {})}
+    onnx.helper.set_model_props(model, props)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _prune(model: Any) -> None:
+    graph = model.graph
+    needed = {o.name for o in graph.output}
+    kept: list[Any] = []
+    for node in reversed(list(graph.node)):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    used = {n for node in graph.node for n in node.input}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)
+
+
+def _onnx_value(model: Any, prompts: Sequence[str]) -> np.ndarray:
+    import onnxruntime as ort
+
+    from classifier.train import model_rows
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    probs = np.asarray(session.run(["probabilities"], {"text": model_rows(prompts)})[0], dtype=np.float64)
+    return probs
+
+
+def training_rows(
+    outcomes_path: str | Path,
+    config: OutcomeConfig = OUTCOME_CONFIG,
+    extra_paths: Sequence[str | Path] = (PROXY_PATH,),
+) -> tuple[list[OutcomeRow], list[float], list[str], list[str]]:
+    """``(rows, weights, heldout_subjects, dropped_subjects)`` for :func:`fit_outcomes`."""
+    rows = load_outcomes(outcomes_path)
+    subjects = [r["subject"] for r in rows if "subject" in r]
+    held = heldout_subjects(subjects, config.heldout_fraction) if config.heldout_fraction > 0 else []
+    dropped = [s for s in DROPPED_SUBJECTS if s in set(subjects)]
+    skip = set(held) | set(dropped)
+    train = [r for r in rows if r.get("subject") not in skip]
+    weights = [1.0] * len(train)
+    for path in extra_paths:
+        extra = load_outcomes(path)
+        train += extra
+        weights += [config.proxy_weight] * len(extra)
+    return train, weights, held, dropped
+
+
+PARITY_PROBES = (
+    "",
+    "hi",
+    "Write a poem about rain.",
+    "A shop sells 3 pens for $2. How much do 12 pens cost?",
+    "def f(x):\n    return {x: [1, 2]}",
+    "日本語の質問です",
+    "a" * 5000,
+)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def train_outcomes(
+    outcomes_path: str | Path,
+    out_dir: str | Path,
+    config: OutcomeConfig = OUTCOME_CONFIG,
+    extra_paths: Sequence[str | Path] = (PROXY_PATH,),
+) -> dict[str, Any]:
+    """Fit on outcomes, export ``model.onnx`` + ``metadata.json`` into ``out_dir``; returns metadata.
+
+    With subjects in the data, ``config.heldout_fraction`` of them (by hash) stay out of training
+    and the metadata records the APGR measured on them.
+    """
+    import onnx
+    import onnxruntime
+    import skl2onnx
+    import sklearn
+
+    outcomes_path, out = Path(outcomes_path), Path(out_dir)
+    rows, weights, held, dropped = training_rows(outcomes_path, config, extra_paths)
+    pipeline = fit_outcomes(rows, config, weights)
+    model = export_outcome_onnx(pipeline, {"version": OUTCOME_VERSION, "score": "outcome"})
+
+    probe = [r["prompt"] for r in rows[:300]] + list(PARITY_PROBES)
+    drift = float(np.abs(_onnx_value(model, probe) - tier_masses(outcome_proba(pipeline, probe))).max())
+    if drift > 1e-4:
+        raise RuntimeError(f"ONNX tier masses differ from scikit-learn by {drift:.2e}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(out / "model.onnx"))
+    linear = pipeline.named_steps["classifier"]
+    names = [str(n) for n in pipeline.named_steps["features"].get_feature_names_out()]
+    coef = np.asarray(linear.coef_, dtype=np.float64).ravel()
+    metrics: dict[str, Any] = {}
+    if held:
+        test = [r for r in load_outcomes(outcomes_path) if r.get("subject") in set(held)]
+        value = _onnx_value(model, [r["prompt"] for r in test]) @ np.array([0.0, 0.5, 1.0])
+        m = routing_metrics(value, [r["weak"] for r in test], [r["strong"] for r in test])
+        length = routing_metrics(
+            [len(r["prompt"]) for r in test], [r["weak"] for r in test], [r["strong"] for r in test]
+        )
+        metrics = {
+            "heldout_subjects": held,
+            "n": m["n"],
+            "apgr": round(m["apgr"], 4),
+            "cpt_50": round(m["cpt_50"], 4),
+            "cpt_80": round(m["cpt_80"], 4),
+            "apgr_prompt_length": round(length["apgr"], 4),
+        }
+    metadata: dict[str, Any] = {
+        "name": "tiered-router-routing-score",
+        "version": OUTCOME_VERSION,
+        "score": "outcome",
+        "labels": list(LABELS),
+        "probabilities_output": "probabilities",
+        "input": {"name": "text", "shape": [None, 2], "preprocessing": "classifier.text.model_views(x)"},
+        "value": "P(the strong tier answers well where the cheap one does not); tiers ~ Binomial(2, value)",
+        "created_at": "deterministic",
+        "training_data": {
+            "outcomes": {"path": outcomes_path.name, "sha256": _sha256(outcomes_path)},
+            "extra": [{"path": Path(p).name, "sha256": _sha256(Path(p))} for p in extra_paths],
+            "n": len(rows),
+            "positives": int(_targets(rows).sum()),
+            "dropped_subjects": dropped,
+        },
+        "config": dataclasses.asdict(config),
+        "features": {
+            "count_groups": {k: list(v) for k, v in OUTCOME_GROUPS},
+            "word_tfidf": config.word_max_features,
+        },
+        "weights": {
+            n: round(float(w), 4) for n, w in zip(names, coef, strict=True) if n.startswith("counts")
+        },
+        "intercept": round(float(np.asarray(linear.intercept_).ravel()[0]), 4),
+        "onnx": {"sha256": _sha256(out / "model.onnx"), "max_abs_drift_vs_sklearn": drift},
+        "versions": {
+            "scikit-learn": sklearn.__version__,
+            "skl2onnx": skl2onnx.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__,
+        },
+        "metrics": metrics,
+    }
+    (out / "metadata.json").write_text(
+        json.dumps(metadata, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    return metadata

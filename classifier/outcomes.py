@@ -1,0 +1,233 @@
+"""Outcome data and RouteLLM's routing metrics (APGR, CPT), in plain Python + numpy.
+
+An *outcome row* says how well the cheap and the strong tier answered one prompt. Accepted JSONL
+lines (``.jsonl`` or ``.jsonl.gz``):
+
+* ``{"prompt": ..., "weak": 0|1|score, "strong": 0|1|score}`` (RouteLLM's and our MMLU file's
+  shape; booleans count as 0/1);
+* ``{"prompt": ..., "outcomes": {"small": s, "large": s, ...}}``: per-tier scores, as the shadow
+  log and ``POST /v1/feedback`` write them; the cheapest tier present is "weak", the strongest
+  "strong". Rows naming a single tier carry no comparison and are skipped;
+* optional ``subject`` (used for subject-held-out splits) and ``contaminated`` (dropped, as
+  RouteLLM's own evaluation drops them).
+
+Routing metrics follow RouteLLM (Ong et al., 2024, "RouteLLM: Learning to Route LLMs with
+Preference Data"): a router sends the prompts with the highest scores to the strong model. At a
+share ``c`` of strong calls, performance is the mean of the chosen model's outcome, and
+
+    PGR(c) = (perf(c) - perf_weak) / (perf_strong - perf_weak)
+
+APGR is the area under PGR(c) for c in [0, 1] (a random router scores 0.5 in expectation).
+RouteLLM samples the curve at 10 % steps; this module integrates the exact curve through every
+operating point (the trapezoid over all n + 1 cut points), so small benchmarks are not at the
+mercy of where 10 % falls. Tied scores are treated as one step (the expected result of breaking
+the tie at random), so a router cannot gain from the order rows happen to be in.
+CPT(x) is the smallest share of strong calls at which PGR reaches x.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+__all__ = [
+    "OutcomeRow",
+    "heldout_subjects",
+    "load_outcomes",
+    "parse_outcome",
+    "plot_curves",
+    "random_apgr",
+    "routing_curve",
+    "routing_metrics",
+    "split_by_subject",
+]
+
+OutcomeRow = dict[str, Any]
+TIER_ORDER = ("small", "medium", "large")
+# Share of subjects held out for evaluation: whole subjects, chosen by hash (no cherry-picking).
+HELDOUT_SUBJECT_FRACTION = 0.25
+SUBJECT_SALT = "routing-heldout-v1"
+
+
+def _score(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float) and np.isfinite(value):
+        return float(value)
+    raise ValueError(f"{where}: outcome {value!r} is not a number or boolean")
+
+
+def parse_outcome(row: Mapping[str, Any], where: str = "row") -> OutcomeRow | None:
+    """One normalized row ``{"prompt", "weak", "strong", "subject"?}``, or None when it has no pair."""
+    prompt = row.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where}: expected a string 'prompt'")
+    if "outcomes" in row:
+        outcomes = row["outcomes"]
+        if not isinstance(outcomes, Mapping):
+            raise ValueError(f"{where}: 'outcomes' must map tier names to scores")
+        known = {k: v for k, v in outcomes.items() if v is not None}
+        ranked = sorted(known, key=lambda t: (TIER_ORDER.index(t) if t in TIER_ORDER else -1, t))
+        unknown = [t for t in ranked if t not in TIER_ORDER]
+        if unknown:
+            raise ValueError(f"{where}: unknown tier(s) {unknown} in 'outcomes' (use {TIER_ORDER})")
+        if len(ranked) < 2:
+            return None
+        weak, strong = _score(known[ranked[0]], where), _score(known[ranked[-1]], where)
+    elif "weak" in row and "strong" in row:
+        weak, strong = _score(row["weak"], where), _score(row["strong"], where)
+    else:
+        raise ValueError(f"{where}: expected 'weak' and 'strong', or 'outcomes'")
+    out: OutcomeRow = {"prompt": prompt, "weak": weak, "strong": strong}
+    if isinstance(row.get("subject"), str):
+        out["subject"] = row["subject"]
+    return out
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+def load_outcomes(path: str | Path, keep_contaminated: bool = False) -> list[OutcomeRow]:
+    """Read an outcome JSONL(.gz) file; see the module docstring for the accepted shapes."""
+    path = Path(path)
+    rows: list[OutcomeRow] = []
+    with _open_text(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            raw = json.loads(line)
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object")
+            if raw.get("contaminated") and not keep_contaminated:
+                continue
+            row = parse_outcome(raw, f"{path}:{lineno}")
+            if row is not None:
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows with both a weak and a strong outcome")
+    return rows
+
+
+def heldout_subjects(subjects: Iterable[str], fraction: float = HELDOUT_SUBJECT_FRACTION) -> list[str]:
+    """The ``round(fraction * k)`` subjects with the smallest salted SHA-256: stable, not chosen."""
+    unique = sorted(set(subjects))
+    ranked = sorted(unique, key=lambda s: hashlib.sha256(f"{SUBJECT_SALT}\x00{s}".encode()).hexdigest())
+    return sorted(ranked[: round(fraction * len(unique))])
+
+
+def split_by_subject(
+    rows: Sequence[OutcomeRow], fraction: float = HELDOUT_SUBJECT_FRACTION
+) -> tuple[list[OutcomeRow], list[OutcomeRow]]:
+    """``(train, heldout)`` with whole subjects on each side (rows without a subject train)."""
+    held = set(heldout_subjects([r["subject"] for r in rows if "subject" in r], fraction))
+    train = [r for r in rows if r.get("subject") not in held]
+    test = [r for r in rows if r.get("subject") in held]
+    return train, test
+
+
+def routing_curve(scores: ArrayLike, weak: ArrayLike, strong: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """``(strong_share, performance)`` at every cut, from all-weak (0) to all-strong (1).
+
+    Prompts are sent to the strong model from the highest score down; a group of tied scores
+    moves in one step, so the points between are its random-tie-break expectation.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    w = np.asarray(weak, dtype=np.float64)
+    g = np.asarray(strong, dtype=np.float64) - w
+    n = len(s)
+    if n == 0 or not (len(w) == len(g) == n):
+        raise ValueError("scores, weak and strong must be non-empty and of one length")
+    order = np.argsort(-s, kind="stable")
+    s_sorted, gain = s[order], g[order]
+    # Indices where a new score value starts, plus the end: the cut points between tie groups.
+    starts = np.flatnonzero(np.r_[True, s_sorted[1:] != s_sorted[:-1]])
+    cuts = np.r_[starts, n]
+    cum = np.r_[0.0, np.cumsum(gain)]
+    share = cuts / n
+    perf = (w.sum() + cum[cuts]) / n
+    return share, perf
+
+
+def _pgr(perf: np.ndarray, weak_perf: float, strong_perf: float) -> np.ndarray:
+    gap = strong_perf - weak_perf
+    if abs(gap) < 1e-12:
+        raise ValueError("the weak and strong models perform the same here: PGR is undefined")
+    return np.asarray((perf - weak_perf) / gap)
+
+
+def _cpt(share: np.ndarray, pgr: np.ndarray, target: float) -> float:
+    """Smallest strong share at which the (piecewise-linear) PGR curve reaches ``target``."""
+    above = np.flatnonzero(pgr >= target - 1e-12)
+    if len(above) == 0:
+        return 1.0
+    i = int(above[0])
+    if i == 0:
+        return float(share[0])
+    x0, x1, y0, y1 = share[i - 1], share[i], pgr[i - 1], pgr[i]
+    return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0)) if y1 != y0 else float(x1)
+
+
+def routing_metrics(
+    scores: ArrayLike, weak: ArrayLike, strong: ArrayLike, curve_points: int = 21
+) -> dict[str, Any]:
+    """APGR, CPT(50 %), CPT(80 %), the curve sampled at ``curve_points`` shares, and the baselines."""
+    share, perf = routing_curve(scores, weak, strong)
+    weak_perf, strong_perf = float(perf[0]), float(perf[-1])
+    pgr = _pgr(perf, weak_perf, strong_perf)
+    apgr = float(np.sum((share[1:] - share[:-1]) * (pgr[1:] + pgr[:-1]) / 2.0))
+    grid = np.linspace(0.0, 1.0, curve_points)
+    return {
+        "n": int(np.asarray(scores).size),
+        "weak_performance": weak_perf,
+        "strong_performance": strong_perf,
+        "apgr": apgr,
+        "cpt_50": _cpt(share, pgr, 0.5),
+        "cpt_80": _cpt(share, pgr, 0.8),
+        "curve": {
+            "strong_share": [round(float(x), 4) for x in grid],
+            "pgr": [round(float(y), 4) for y in np.interp(grid, share, pgr)],
+        },
+    }
+
+
+def random_apgr(weak: Sequence[float], strong: Sequence[float], seed: int = 0, draws: int = 50) -> float:
+    """Mean APGR of ``draws`` random routers (0.5 in expectation; the noise floor of a benchmark)."""
+    rng = np.random.default_rng(seed)
+    return float(
+        np.mean([routing_metrics(rng.random(len(weak)), weak, strong)["apgr"] for _ in range(draws)])
+    )
+
+
+def plot_curves(curves: Mapping[str, Mapping[str, Any]], path: str | Path, title: str) -> None:
+    """PGR against the share of strong calls, one line per router (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    for name, m in curves.items():
+        ax.plot(
+            m["curve"]["strong_share"], m["curve"]["pgr"], marker=".", label=f"{name} (APGR {m['apgr']:.3f})"
+        )
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1, label="random (0.5)")
+    ax.set_xlabel("share of calls to the strong model")
+    ax.set_ylabel("performance gap recovered")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
