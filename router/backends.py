@@ -45,7 +45,10 @@ def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.max_num_batched_tokens,
         cfg.draft,
         cfg.speculative_tokens,
-        cfg.prefix_cache_tokens,
+        cfg.kv_cache_memory,
+        cfg.kv_cache_tokens,
+        cfg.block_size,
+        cfg.prefix_caching,
         cfg.served_model_name,
         cfg.api_key_env,
         cfg.timeout_s,
@@ -159,12 +162,14 @@ def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
 def _check_draft_compatible(
     policy_source: str, tier: str, draft: str, target: LoadedModel, drafter: LoadedModel
 ) -> None:
-    """A draft must share the target's vocabulary: its token ids are fed to the target as they are."""
+    """A draft must share the target's tokenizer: its token ids are fed to the target as they are.
+    Its output head may be narrower (Qwen2.5-1.5B has 151,936 logits, 7B 152,064, padding the same
+    vocabulary): the engine pads draft logits and never proposes ids the draft cannot produce."""
     t_vocab = target.tokenizer.get_vocab()
     d_vocab = drafter.tokenizer.get_vocab()
     t_size = target.model.get_output_embeddings().out_features
     d_size = drafter.model.get_output_embeddings().out_features
-    if t_vocab != d_vocab or t_size != d_size:
+    if t_vocab != d_vocab or d_size > t_size:
         raise PolicyError(
             policy_source,
             [
@@ -190,8 +195,8 @@ def build_tiers(
     models with the same (model, dtype, quantization, device).
     """
     from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
-    from tiers.prefix_cache import PrefixCache
+    from tiers.model_runner import ModelRunner, kv_bytes_per_token
+    from tiers.plan import device_memory, kv_budget_tokens
     from tiers.scheduler import SchedulerConfig
 
     started = time.monotonic()
@@ -227,6 +232,7 @@ def build_tiers(
         models[key] = worker.call(load)
     backends: dict[str, Backend] = {}
     new_engines: list[Engine] = []
+    to_build: list[str] = []
     for name, cfg in policy.tiers.items():
         old = reuse.tiers.get(name) if reuse is not None else None
         if (
@@ -258,10 +264,37 @@ def build_tiers(
             backends[name] = RemoteBackend(name, cfg, client)
             continue
         loaded = models[_model_key(cfg)]
-        draft_loaded = None
         if cfg.draft is not None:
-            draft_loaded = models[_model_key(policy.tiers[cfg.draft])]
-            _check_draft_compatible(policy.source, name, cfg.draft, loaded, draft_loaded)
+            _check_draft_compatible(
+                policy.source, name, cfg.draft, loaded, models[_model_key(policy.tiers[cfg.draft])]
+            )
+        to_build.append(name)
+    # Pools first (one per local tier), then engines: a tier's draft runs on the pool and model of
+    # the tier it names, so the drafts' KV is budgeted there and shares its prefix cache.
+    runners: dict[str, ModelRunner] = {
+        n: b.engine.runner for n, b in backends.items() if isinstance(b, LocalTier)
+    }
+    for name in to_build:
+        cfg = policy.tiers[name]
+
+        def make_runner(cfg: TierConfig = cfg) -> ModelRunner:
+            loaded = models[_model_key(cfg)]
+            per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+            tokens = kv_budget_tokens(cfg, per_token, device_memory(loaded.device))
+            return ModelRunner(
+                loaded,
+                num_blocks=max(1, tokens // cfg.block_size),
+                block_size=cfg.block_size,
+                max_model_len=cfg.max_model_len,
+                enable_prefix_caching=cfg.prefix_caching,
+            )
+
+        try:
+            runners[name] = worker.call(make_runner)
+        except ValueError as exc:  # e.g. a sliding-window model the paged engine refuses
+            raise PolicyError(policy.source, [PolicyIssue(f"tiers.{name}.model", str(exc))]) from exc
+    for name in to_build:
+        cfg = policy.tiers[name]
         sched = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -269,32 +302,25 @@ def build_tiers(
             max_waiting=cfg.max_queue,
         )
 
-        def make_engine(
-            name: str = name,
-            cfg: TierConfig = cfg,
-            loaded: LoadedModel = loaded,
-            draft_loaded: LoadedModel | None = draft_loaded,
-            sched: SchedulerConfig = sched,
-        ) -> Engine:
-            runner = ModelRunner(loaded, num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
-            draft_runner = (
-                ModelRunner(draft_loaded, num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
-                if draft_loaded is not None and cfg.speculative_tokens > 0
-                else None
-            )
+        def make_engine(name: str = name, cfg: TierConfig = cfg, sched: SchedulerConfig = sched) -> Engine:
+            draft = runners[cfg.draft] if cfg.draft is not None and cfg.speculative_tokens > 0 else None
             engine = Engine(
                 name,
-                runner,
+                runners[name],
                 sched,
-                draft_runner=draft_runner,
+                draft_runner=draft,
                 speculative_tokens=cfg.speculative_tokens,
-                prefix_cache=PrefixCache(cfg.prefix_cache_tokens) if cfg.prefix_cache_tokens else None,
                 observer=observer,
             )
             engine.warmup()
             return engine
 
-        engine = worker.call(make_engine)
+        try:
+            engine = worker.call(make_engine)
+        except ValueError as exc:  # the KV budget cannot hold one max_model_len sequence
+            raise PolicyError(
+                policy.source, [PolicyIssue(f"tiers.{name}.kv_cache_tokens", str(exc))]
+            ) from exc
         new_engines.append(engine)
         backends[name] = LocalTier(name, cfg, engine, cfg.draft)
     for engine in new_engines:

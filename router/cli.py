@@ -50,6 +50,41 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy_plan(args: argparse.Namespace) -> int:
+    """Weights + KV + activations per tier from configs alone; exit 2 when it cannot fit."""
+    from tiers.plan import parse_memory, plan_policy
+
+    policy = _load_policy(args.file)
+    if policy is None:
+        return 2
+    total = parse_memory(args.device_memory, device_total=1) if args.device_memory else None
+    try:
+        plans = plan_policy(policy, total)
+    except ValueError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 2
+    gib = 1024**3
+    print(f"{'tier':<10} {'model':<34} {'weights':>9} {'kv':>9} {'act':>8} {'total':>9} {'kv tokens':>10}")
+    for t in plans:
+        print(
+            f"{t.tier:<10} {t.model[-34:]:<34} {t.weights_bytes / gib:8.2f}G {t.kv_bytes / gib:8.2f}G "
+            f"{t.activation_bytes / gib:7.2f}G {t.total_bytes / gib:8.2f}G {t.kv_tokens:>10}"
+        )
+    need = sum(t.total_bytes for t in plans)
+    print(f"{'all':<10} {'':<34} {'':>9} {'':>9} {'':>8} {need / gib:8.2f}G")
+    problems = [
+        f"tiers.{t.tier}: the KV pool holds {t.kv_tokens} tokens, less than max_model_len "
+        f"{policy.tiers[t.tier].max_model_len}"
+        for t in plans
+        if t.kv_tokens < policy.tiers[t.tier].max_model_len
+    ]
+    if total is not None and need > total:
+        problems.append(f"needs {need / gib:.2f} GiB, the device has {total / gib:.2f} GiB")
+    for msg in problems:
+        print(f"{args.file}: does not fit: {msg}", file=sys.stderr)
+    return 2 if problems else 0
+
+
 def cmd_route(args: argparse.Namespace) -> int:
     from classifier import ComplexityClassifier
     from router.errors import RouterError
@@ -276,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = psub.add_parser("check", help="validate a policy file (exit 2 with every error)")
     c.add_argument("file")
     c.set_defaults(func=cmd_policy_check)
+    c = psub.add_parser("plan", help="memory per tier (weights, KV, activations) without loading weights")
+    c.add_argument("file")
+    c.add_argument("--device-memory", default=None, help="e.g. 80GiB; fractions in the policy refer to it")
+    c.set_defaults(func=cmd_policy_plan)
 
     p = sub.add_parser("models", help="model tools")
     msub = p.add_subparsers(dest="models_command", required=True)

@@ -136,31 +136,46 @@ def make_engine(
     *,
     quantization: str = "none",
     draft_quantization: str | None = None,
+    draft_dir: Path | None = None,
     speculative_tokens: int = 3,
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     max_num_batched_tokens: int = 128,
     max_waiting: int = 64,
-    prefix_cache_tokens: int = 0,
+    kv_tokens: int = 8192,
+    block_size: int = 4,
+    prefix_caching: bool = False,
+    fast_path: bool = True,
     name: str = "test",
 ) -> object:
-    """An engine over the tiny model, built and attached on ``worker`` (a DeviceWorker)."""
+    """An engine over the tiny model, built and attached on ``worker`` (a DeviceWorker).
+
+    ``draft_quantization`` (or ``draft_dir``, another tiny model) gives it a draft runner with
+    its own pool, as a tier below would have."""
     from tiers.device import DeviceWorker
     from tiers.engine import Engine
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
-    from tiers.prefix_cache import PrefixCache
     from tiers.scheduler import SchedulerConfig
 
     assert isinstance(worker, DeviceWorker)
 
+    def runner_for(path: Path, quant: str) -> ModelRunner:
+        loaded = load_model(str(path), device="cpu", quantization=quant)  # type: ignore[arg-type]
+        return ModelRunner(
+            loaded,
+            num_blocks=kv_tokens // block_size,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            enable_prefix_caching=prefix_caching,
+            fast_path=fast_path,
+        )
+
     def build() -> Engine:
-        target = load_model(str(model_dir), device="cpu", quantization=quantization)  # type: ignore[arg-type]
-        runner = ModelRunner(target, num_slots=max_num_seqs, max_model_len=max_model_len)
+        runner = runner_for(model_dir, quantization)
         draft = None
-        if draft_quantization is not None:
-            d = load_model(str(model_dir), device="cpu", quantization=draft_quantization)  # type: ignore[arg-type]
-            draft = ModelRunner(d, num_slots=max_num_seqs, max_model_len=max_model_len)
+        if draft_quantization is not None or draft_dir is not None:
+            draft = runner_for(draft_dir or model_dir, draft_quantization or "none")
         engine = Engine(
             name,
             runner,
@@ -172,7 +187,6 @@ def make_engine(
             ),
             draft_runner=draft,
             speculative_tokens=speculative_tokens if draft is not None else 0,
-            prefix_cache=PrefixCache(prefix_cache_tokens, block_size=4) if prefix_cache_tokens else None,
         )
         engine.warmup()
         return engine

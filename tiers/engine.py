@@ -2,12 +2,14 @@
 
 Steps run on the ``DeviceWorker`` thread (see ``device.py`` for why there is exactly one).
 Requests arrive from asyncio through ``submit`` (thread-safe) and get a ``RequestHandle`` whose
-async iterator yields ``StepOutput``s as tokens are produced. Sequences join the batch at the next
-step and leave the moment they finish; their slot is released at once.
+async iterator yields ``StepOutput``s as tokens are produced.
 
-With a draft (the tier below's model object, shared in memory), decode steps speculate: the draft
-proposes k tokens per sequence from its own KV pool, the target verifies all of them in one
-forward, and ``accept_draft`` decides per sequence. k comes from ``SpecController`` each step.
+One step: the scheduler hands out each sequence's tokens for this step under one token budget
+(decodes, prefill chunks and speculative lookahead together, see ``scheduler.py``); with a draft
+(the tier below's runner: its model, its KV pool), the draft first feeds its own chunks and
+proposes up to k tokens for the decoding rows; one target forward then runs every row; one
+vectorised pass processes logits, samples and applies the acceptance rule; postprocess appends
+tokens, names the blocks they filled (the prefix cache) and finishes what is done.
 """
 
 from __future__ import annotations
@@ -24,16 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiers.model_runner import ModelRunner, RowInput
-from tiers.output import IncrementalDetokenizer, StepOutput
+from tiers.output import IncrementalDetokenizer, StepOutput, TokenLogprob
 from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle
-from tiers.sampling import apply_penalties, probs_from_logits, sample_rows
+from tiers.sampling import apply_logit_bias, apply_penalties, draw, probs_batch
 from tiers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from tiers.speculative import SpecController, accept_draft
+from tiers.speculative import SpecController, accept_batch
 
 if TYPE_CHECKING:
     from tiers.device import DeviceWorker
-    from tiers.prefix_cache import PrefixCache
 
 __all__ = ["Engine", "EngineFullError", "EngineLoad", "EngineObserver", "RequestHandle"]
 
@@ -47,6 +48,16 @@ class _Tracked:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Draft:
+    """One row's speculative proposal this step."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # [V] each: the law each token came from
+    masks: list[torch.Tensor] = field(default_factory=list)  # [V] bool each (constrained rows)
 
 
 class Engine:
@@ -58,28 +69,46 @@ class Engine:
         *,
         draft_runner: ModelRunner | None = None,
         speculative_tokens: int = 0,
-        prefix_cache: PrefixCache | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
         self.name = name
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.config = config
-        self.scheduler = Scheduler(config, on_admit=self._on_admit)
-        self.draft = draft_runner
-        self.spec = SpecController(max_k=speculative_tokens if draft_runner is not None else 0)
-        self.prefix_cache = prefix_cache
-        if prefix_cache is not None:
-            prefix_cache.allocate(runner)
+        if runner.capacity_tokens < config.max_model_len + speculative_tokens:
+            raise ValueError(
+                f"tier '{name}': the KV pool holds {runner.capacity_tokens} tokens, fewer than one "
+                f"sequence of max_model_len {config.max_model_len} (+{speculative_tokens} speculative); "
+                "raise the KV budget or lower max_model_len"
+            )
+        if draft_runner is not None and draft_runner.vocab_size > runner.vocab_size:
+            raise ValueError(
+                f"tier '{name}': the draft's logits ({draft_runner.vocab_size}) are wider than the target's "
+                f"({runner.vocab_size})"
+            )
+        self.draft = draft_runner if speculative_tokens > 0 else None
+        self.spec = SpecController(max_k=speculative_tokens if self.draft is not None else 0)
+        self.scheduler = Scheduler(
+            config,
+            runner.blocks,
+            self.draft.blocks if self.draft is not None else None,
+            spec_budget=self._spec_budget,
+        )
         self.observer = observer
         self.eos_token_ids = self._eos_ids()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._tracked: dict[int, _Tracked] = {}
         self._worker: DeviceWorker | None = None
-        self._default_generator = torch.Generator().manual_seed(0)
+        self._shared_generator = torch.Generator().manual_seed(0)
+        self._k = 0
+        self._matcher_advance: dict[int, int] = {}
+        """Tokens each constrained row's matcher took during this step's drafting (rolled back
+        by what the target rejects, or all of it when the step fails)."""
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
-        """Called before each step's forward (tests inject faults and count steps here)."""
+        """Called before each step's forwards (tests inject faults and count steps here)."""
         self.num_steps = 0
+        self._step_ema = 0.0
+        self._steps_per_seq_ema = 32.0
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -102,38 +131,70 @@ class Engine:
         return self._worker is not None and self._worker.is_alive
 
     def load(self) -> EngineLoad:
+        sched = self.scheduler
+        waiting = sched.num_waiting + self._inbox.qsize()
         return EngineLoad(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + self._inbox.qsize(),
+            num_running=sched.num_running,
+            num_waiting=waiting,
             max_num_seqs=self.config.max_num_seqs,
             max_waiting=self.config.max_waiting,
-            kv_tokens=self.scheduler.num_kv_tokens(),
-            kv_capacity=self.config.max_num_seqs * self.config.max_model_len,
+            kv_tokens=sched.num_kv_tokens(),
+            kv_capacity=self.runner.capacity_tokens,
+            predicted_wait_s=self._predicted_wait(sched.num_running, waiting),
         )
 
+    def _predicted_wait(self, running: int, waiting: int) -> float:
+        """Seconds until a request submitted now gets its first token, from measured step times:
+        requests beyond the free batch slots wait for running ones to finish (a sequence lives
+        about ``steps_per_seq`` steps, and ``max_num_seqs`` finish per lifetime); then its prefill
+        takes a step or a few."""
+        step = self._step_ema
+        if step <= 0.0:
+            return 0.0
+        ahead = max(0, waiting + running + 1 - self.config.max_num_seqs)
+        slot_wait = ahead / self.config.max_num_seqs * self._steps_per_seq_ema * step
+        return slot_wait + 2 * step
+
     # -- intake (any thread) --------------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
+    def submit(
+        self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str = ""
+    ) -> RequestHandle:
         """Queue a request; raises ``EngineFullError`` when the waiting queue is full and
-        ``ValueError`` when the prompt cannot fit the context."""
+        ``ValueError`` when the prompt cannot fit the context. ``cache_salt`` names the
+        prefix-cache partition (the tenant): KV is shared only within one."""
+        return self.submit_n(prompt_token_ids, [params], cache_salt=cache_salt)[0]
+
+    def submit_n(
+        self, prompt_token_ids: list[int], params: list[SamplingParams], *, cache_salt: str = ""
+    ) -> list[RequestHandle]:
+        """``n > 1``: one sequence per entry of ``params`` over the same prompt (each its own seed
+        and constraint); the later ones fork the first one's prompt blocks once it has computed
+        them, so the prompt is computed once."""
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt is {len(prompt_token_ids)} tokens; "
                 f"this tier's context is {self.config.max_model_len}"
             )
-        if self.load().is_full:
+        load = self.load()
+        if load.num_waiting + len(params) - 1 >= load.max_waiting + max(
+            0, load.max_num_seqs - load.num_running
+        ):
             raise EngineFullError(f"tier '{self.name}' queue is full")
-        seq = Sequence(list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
-        handle = RequestHandle(self, seq, asyncio.get_running_loop())
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        tracked = _Tracked(seq, handle, IncrementalDetokenizer(self.tokenizer, params.stop), gen)
-        self._inbox.put(("add", tracked))
+        loop = asyncio.get_running_loop()
+        handles = []
+        leader: Sequence | None = None
+        for p in params:
+            seq = Sequence(list(prompt_token_ids), p, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+            seq.fork_of = leader
+            leader = leader or seq
+            handle = RequestHandle(self, seq, loop)
+            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            self._inbox.put(
+                ("add", _Tracked(seq, handle, IncrementalDetokenizer(self.tokenizer, p.stop), gen))
+            )
+            handles.append(handle)
         self._wakeup()
-        return handle
-
-    def submit_n(self, prompt_token_ids: list[int], params: list[SamplingParams]) -> list[RequestHandle]:
-        """``n > 1``: one sequence per entry of ``params`` over the same prompt (each its own seed
-        and constraint); they share the prompt's KV."""
-        return [self.submit(prompt_token_ids, p) for p in params]
+        return handles
 
     def abort(self, seq: Sequence) -> None:
         seq.abort_requested = True
@@ -151,10 +212,10 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
+                self._tracked[item.seq.seq_id] = item
                 if item.seq.abort_requested:
                     self._finish(item, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
                     continue
-                self._tracked[item.seq.seq_id] = item
                 self.scheduler.add(item.seq)
             elif op == "abort" and item.seq_id in self._tracked:
                 self._finish(self._tracked[item.seq_id], SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
@@ -169,18 +230,25 @@ class Engine:
         batch = None
         started = time.perf_counter()
         try:
-            self._apply_slot_moves()
+            decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
+            self._k = self.spec.choose_k(max(1, decoding)) if self.draft is not None else 0
             batch = self.scheduler.schedule()
             if batch is None:
                 return False
+            now = time.monotonic()
+            for seq in batch.admitted:
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
             self._run_isolated(batch)
         except Exception:  # a bug in the step itself: fail what it touched, keep the engine alive
             log.exception("engine %s: step failed", self.name)
             for seq in list(batch.seqs if batch is not None else self.scheduler.running):
                 self._fail(seq, "internal error in the engine step")
+        elapsed = time.perf_counter() - started
+        self._step_ema = elapsed if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * elapsed
         self.num_steps += 1
         if self.observer is not None and batch is not None:
-            self.observer.on_step(self.name, batch.kind, batch.num_seqs, time.perf_counter() - started)
+            self.observer.on_step(self.name, batch.kind, batch.num_seqs, elapsed)
         return True
 
     def abort_all(self) -> None:
@@ -189,202 +257,323 @@ class Engine:
         for tracked in list(self._tracked.values()):
             self._finish(tracked, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
 
-    def _apply_slot_moves(self) -> None:
-        for src, dst, seq in self.scheduler.take_pending_moves():
-            self.runner.move_slot(src, dst, seq.num_computed_tokens)
-            if self.draft is not None:
-                self.draft.move_slot(src, dst, seq.num_draft_computed_tokens)
-
-    def _on_admit(self, seq: Sequence) -> None:
-        seq.first_scheduled_time = time.monotonic()
-        if self.prefix_cache is not None:
-            assert seq.slot is not None
-            hit = self.prefix_cache.load(seq.slot, seq.prompt_token_ids, self.runner)
-            seq.num_cached_tokens = hit
-            seq.num_computed_tokens = hit
+    def _spec_budget(self, seq: Sequence) -> int:
+        """How many tokens ``seq`` may draft this step: none for penalized requests (their logits
+        depend on the tokens before them) and for seeded sampled ones (the documented contract: a
+        seed reproduces a request's output, which a load-dependent k would not), never past
+        max_tokens or the context."""
+        p = seq.params
+        if self._k == 0 or p.has_penalties or (p.seed is not None and not p.is_greedy):
+            return 0
+        room = min(seq.num_remaining_tokens - 1, self.config.max_model_len - seq.num_tokens - 1)
+        return max(0, min(self._k, room))
 
     def _run_isolated(self, batch: ScheduledBatch) -> None:
-        """Run the batch; if its forward raises, find the culprit by running each sequence alone,
-        so an error inside one request's generation fails that request only. Retrying is safe:
-        a forward only writes KV at positions >= num_computed_tokens."""
+        """Run the batch; if it raises, find the culprit by running each sequence alone, so an
+        error inside one request's generation fails that request only. Retrying is safe: a
+        forward only writes KV at positions >= num_computed_tokens, which nothing has read yet."""
+        snapshot = [(s.num_computed_tokens, s.num_draft_computed_tokens, s.num_tokens) for s in batch.seqs]
+        self._matcher_advance = {}
         try:
-            self._run(batch, speculate=True)
+            self._run(batch)
             return
         except Exception as exc:
+            self._restore(batch, snapshot)
             if batch.num_seqs == 1:
                 self._fail(batch.seqs[0], f"{type(exc).__name__}: {exc}")
                 log.warning("engine %s: request failed: %s", self.name, traceback.format_exc(limit=3))
                 return
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.is_finished:
                 continue
+            alone = ScheduledBatch([seq], [n], [0], [0], kind=batch.kind)
+            self._matcher_advance = {}
             try:
-                self._run(ScheduledBatch(batch.kind, [seq], [n]), speculate=False)
+                self._run(alone)
             except Exception as exc:
+                self._restore(alone, [snapshot[i]])
                 log.warning("engine %s: request %d failed: %s", self.name, seq.seq_id, exc)
                 self._fail(seq, f"{type(exc).__name__}: {exc}")
 
-    def _run(self, batch: ScheduledBatch, *, speculate: bool) -> None:
+    def _restore(self, batch: ScheduledBatch, snapshot: list[tuple[int, int, int]]) -> None:
+        for seq, (nc, dc, n) in zip(batch.seqs, snapshot, strict=True):
+            seq.num_computed_tokens, seq.num_draft_computed_tokens = nc, dc
+            del seq.token_ids[n:]
+            advanced = self._matcher_advance.pop(seq.seq_id, 0)
+            if advanced and seq.params.constraint is not None:
+                seq.params.constraint.rollback(advanced)
+
+    def _run(self, batch: ScheduledBatch) -> None:
         if self.step_hook is not None:
             self.step_hook(batch)
-        if batch.kind == "prefill":
-            self._prefill(batch)
-        elif speculate and self.draft is not None:
-            self._decode_speculative(batch)
-        else:
-            self._decode(batch)
-
-    # -- prefill ---------------------------------------------------------------------------------
-    def _prefill(self, batch: ScheduledBatch) -> None:
+        drafts: list[_Draft | None] = (
+            self._draft(batch) if self.draft is not None else [None] * batch.num_seqs
+        )
         rows = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts, strict=True):
             start = seq.num_computed_tokens
-            completes = start + n == seq.num_tokens
+            fed = seq.token_ids[start : start + n]
+            if d is not None and d.tokens:
+                rows.append(RowInput(seq.block_table.blocks, start, fed + d.tokens, "all"))
+            else:
+                rows.append(
+                    RowInput(
+                        seq.block_table.blocks, start, fed, "last" if start + n == seq.num_tokens else "none"
+                    )
+                )
+        started = time.perf_counter()
+        logits = self.runner.forward(rows)
+        if batch.kind == "decode":
+            self.spec.record_target(
+                batch.num_seqs,
+                1 + max((len(d.tokens) for d in drafts if d), default=0),
+                time.perf_counter() - started,
+            )
+        self._sample_and_accept(batch, drafts, logits)
+
+    # -- drafting ------------------------------------------------------------------------------
+    def _draft(self, batch: ScheduledBatch) -> list[_Draft | None]:
+        """Feed the draft its chunks (catch-up and the rows' backlogs), then propose up to k
+        tokens for each speculating row, one draft forward per proposed position."""
+        assert self.draft is not None
+        out: list[_Draft | None] = [None] * batch.num_seqs
+        feeding = [i for i, n in enumerate(batch.num_draft_tokens) if n > 0]
+        if not feeding:
+            return out
+        seqs = batch.seqs
+        rows = []
+        for i in feeding:
+            seq, n = seqs[i], batch.num_draft_tokens[i]
+            dc = seq.num_draft_computed_tokens
             rows.append(
                 RowInput(
-                    self._slot(seq), start, seq.token_ids[start : start + n], "last" if completes else "none"
+                    seq.draft_table.blocks,
+                    dc,
+                    seq.token_ids[dc : dc + n],
+                    "last" if batch.num_spec_tokens[i] else "none",
                 )
             )
-        logits = self.runner.forward(rows)
-        for seq, n, lg in zip(batch.seqs, batch.num_new_tokens, logits, strict=True):
-            seq.num_computed_tokens += n
-            if lg is not None:
-                self._postprocess(seq, [self._sample(seq, lg)])
-        if self.prefix_cache is not None:
-            for seq in batch.seqs:
-                if not seq.is_prefilling and seq.slot is not None:
-                    self.prefix_cache.store(seq.slot, seq.prompt_token_ids, self.runner)
-
-    # -- plain decode ----------------------------------------------------------------------------
-    def _decode(self, batch: ScheduledBatch) -> None:
-        started = time.perf_counter()
-        rows = [
-            RowInput(self._slot(s), s.num_computed_tokens, s.token_ids[s.num_computed_tokens :])
-            for s in batch.seqs
-        ]
-        logits = self.runner.forward(rows)
-        self.spec.record_target(batch.num_seqs, 1, time.perf_counter() - started)
-        for seq, lg in zip(batch.seqs, logits, strict=True):
-            assert lg is not None
-            seq.num_computed_tokens = seq.num_tokens
-            self._postprocess(seq, [self._sample(seq, lg)])
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """logits: [1, V] for the next position of ``seq``."""
-        lg = apply_penalties(logits, seq.params, seq.prompt_token_ids, seq.output_token_ids)
-        if seq.params.is_greedy:
-            return int(lg[0].argmax())
-        probs = probs_from_logits(lg, seq.params)
-        return int(sample_rows(probs, self._generator(seq))[0])
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        tracked = self._tracked.get(seq.seq_id)
-        if tracked is not None and tracked.generator is not None:
-            return tracked.generator
-        return self._default_generator
-
-    # -- speculative decode ----------------------------------------------------------------------
-    def _spec_budget(self, seq: Sequence, k: int) -> int:
-        """How many tokens this sequence may draft: none for penalized requests (their logits depend
-        on the tokens before them), and never past max_tokens or the context."""
-        if seq.params.has_penalties:
-            return 0
-        room = min(seq.num_remaining_tokens - 1, self.config.max_model_len - seq.num_tokens - 1)
-        return max(0, min(k, room))
-
-    def _decode_speculative(self, batch: ScheduledBatch) -> None:
-        assert self.draft is not None
-        lag = max(s.num_tokens - s.num_draft_computed_tokens for s in batch.seqs)
-        k = self.spec.choose_k(batch.num_seqs, lag)
-        budgets = [self._spec_budget(s, k) for s in batch.seqs]
-        k = max(budgets, default=0)
-        if k == 0:
-            self._decode(batch)
-            return
-        seqs = batch.seqs
-        # 1. Draft: catch up on tokens the draft has not seen - the prompt on a sequence's first
-        #    speculative step (the draft never runs where speculation does not pay), 1 or 2 after a
-        #    round, more after plain steps - then propose up to k tokens per row.
-        drafts: list[list[int]] = [[] for _ in seqs]
-        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        feed = [s.token_ids[s.num_draft_computed_tokens :] for s in seqs]
-        starts = [s.num_draft_computed_tokens for s in seqs]
-        for step in range(k):
-            active = [i for i, s in enumerate(seqs) if step < budgets[i]]
-            if not active:
+        logits = self.draft.forward(rows)
+        for i, n in zip(feeding, (batch.num_draft_tokens[i] for i in feeding), strict=True):
+            seqs[i].num_draft_computed_tokens += n
+        active = {
+            i: lg
+            for i, lg in zip(feeding, logits, strict=True)
+            if batch.num_spec_tokens[i] and lg is not None
+        }
+        props = {i: _Draft() for i in active}
+        for i, d in props.items():
+            out[i] = d
+        while active:
+            idx = list(active)
+            proposed = self._propose(
+                [seqs[i] for i in idx], torch.cat([active[i] for i in idx]), [props[i] for i in idx]
+            )
+            nxt = []
+            for i, tok in zip(idx, proposed, strict=True):
+                if tok is None:  # the grammar allows nothing more (complete): stop drafting
+                    continue
+                if len(props[i].tokens) < batch.num_spec_tokens[i]:
+                    nxt.append(i)
+            # A row's draft KV already holds everything before its last proposal; feed that one.
+            if not nxt:
                 break
-            rows = [RowInput(self._slot(seqs[i]), starts[i], feed[i]) for i in active]
+            rows = []
+            for i in nxt:
+                seq = seqs[i]
+                rows.append(
+                    RowInput(
+                        seq.draft_table.blocks, seq.num_draft_computed_tokens, [props[i].tokens[-1]], "last"
+                    )
+                )
             started = time.perf_counter()
             logits = self.draft.forward(rows)
-            if step > 0 or max(len(r.token_ids) for r in rows) <= 2:
-                # Catch-up forwards (a whole prompt on a sequence's first round) are not what a
-                # draft step costs; keep them out of the cost model.
-                self.spec.record_draft(len(rows), 1, time.perf_counter() - started)
-            for i, lg in zip(active, logits, strict=True):
-                assert lg is not None
-                starts[i] += len(feed[i])
-                probs = probs_from_logits(lg, seqs[i].params)  # [1, V]
-                tok = (
-                    int(probs[0].argmax())
-                    if seqs[i].params.is_greedy
-                    else int(sample_rows(probs, self._generator(seqs[i]))[0])
-                )
-                drafts[i].append(tok)
-                draft_probs[i].append(probs[0])
-                feed[i] = [tok]
-        # 2. Verify: one target forward over [last token, d1..dk] for every row.
-        started = time.perf_counter()
-        rows = [
-            RowInput(
-                self._slot(s), s.num_computed_tokens, s.token_ids[s.num_computed_tokens :] + drafts[i], "all"
-            )
-            for i, s in enumerate(seqs)
-        ]
-        logits = self.runner.forward(rows)
-        self.spec.record_target(batch.num_seqs, k + 1, time.perf_counter() - started)
-        # 3. Accept per row, roll both caches back to what was accepted.
-        drafted_total = accepted_total = 0
-        for i, (seq, lg) in enumerate(zip(seqs, logits, strict=True)):
-            assert lg is not None
-            n_fed_before = seq.num_tokens - seq.num_computed_tokens  # usually 1
-            target_logits = lg[n_fed_before - 1 :]  # positions predicting d1..dk and the bonus: [k_i+1, V]
-            if not drafts[i]:  # this row did not speculate (penalties, or no room left)
-                new = [self._sample(seq, target_logits[:1])]
-            elif seq.params.is_greedy:
-                new = self._accept_greedy(drafts[i], target_logits)
-            else:
-                q = probs_from_logits(target_logits, seq.params)
-                new = accept_draft(drafts[i], torch.stack(draft_probs[i]), q, self._generator(seq))
-            n_accepted = len(new) - 1
-            drafted_total += len(drafts[i])
-            accepted_total += n_accepted
-            seq.num_draft_tokens += len(drafts[i])
-            seq.num_accepted_tokens += n_accepted
-            base = seq.num_tokens
-            # Target KV is valid through the last accepted draft; the draft's through the last
-            # accepted draft it was fed (it never saw d_k).
-            seq.num_computed_tokens = base + n_accepted
-            seq.num_draft_computed_tokens = min(base + n_accepted, starts[i])
-            self._postprocess(seq, new)
-        self.spec.record_acceptance(drafted_total, accepted_total)
-        if self.observer is not None:
-            self.observer.on_spec(self.name, drafted_total, accepted_total)
-
-    @staticmethod
-    def _accept_greedy(draft: list[int], target_logits: torch.Tensor) -> list[int]:
-        """target_logits: [len(draft)+1, V]. Accept while the target's argmax agrees, then take its argmax."""
-        best = target_logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for i, tok in enumerate(draft):
-            if best[i] != tok:
-                break
-            out.append(tok)
-        out.append(best[len(out)])
+            self.spec.record_draft(len(rows), 1, time.perf_counter() - started)
+            for i in nxt:
+                seqs[i].num_draft_computed_tokens += 1
+            active = dict(zip(nxt, logits, strict=True))  # type: ignore[arg-type]
         return out
 
+    def _propose(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[_Draft]) -> list[int | None]:
+        """One draft token per row from the draft's logits ``[R, V_draft]``, processed like the
+        target's (bias, grammar mask, temperature...) so the acceptance rule sees the same law."""
+        vocab = self.runner.vocab_size
+        if logits.shape[1] < vocab:  # a narrower draft vocabulary: those ids are never proposed
+            pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-inf"))
+            logits = torch.cat([logits, pad], dim=1)
+        masks: list[torch.Tensor | None] = []
+        for r, seq in enumerate(seqs):
+            if seq.params.logit_bias:
+                apply_logit_bias(logits[r : r + 1], seq.params.logit_bias)
+            masks.append(self._mask_row(seq, logits[r]))
+        probs = probs_batch(logits, [s.params for s in seqs])
+        sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
+        tokens = probs.argmax(dim=-1)
+        if sampled:
+            tokens[sampled] = draw(probs[sampled], [None] * len(sampled), self._shared_generator)
+        out: list[int | None] = []
+        for r, seq in enumerate(seqs):
+            tok = int(tokens[r])
+            c = seq.params.constraint
+            mask = masks[r]
+            if c is not None and mask is not None:
+                if not bool(mask.any()) or not c.accept(tok):
+                    out.append(None)
+                    continue
+                self._matcher_advance[seq.seq_id] = self._matcher_advance.get(seq.seq_id, 0) + 1
+                drafts[r].masks.append(mask)
+                if c.is_terminated:
+                    drafts[r].tokens.append(tok)
+                    drafts[r].probs.append(probs[r])
+                    out.append(None)
+                    continue
+            drafts[r].tokens.append(tok)
+            drafts[r].probs.append(probs[r])
+            out.append(tok)
+        return out
+
+    def _mask_row(self, seq: Sequence, logits_row: torch.Tensor) -> torch.Tensor | None:
+        """Apply ``seq``'s grammar to one logits row in place; returns the mask (None: unconstrained)."""
+        c = seq.params.constraint
+        if c is None:
+            return None
+        mask = torch.zeros(logits_row.shape[0], dtype=torch.bool)
+        c.fill_mask(mask)
+        if not bool(mask.any()):  # nothing allowed: only an end-of-sequence token can follow
+            for t in self.eos_token_ids:
+                if t < mask.shape[0]:
+                    mask[t] = True
+        logits_row.masked_fill_(~mask, float("-inf"))
+        return mask
+
+    # -- sampling and acceptance ---------------------------------------------------------------
+    def _sample_and_accept(
+        self, batch: ScheduledBatch, drafts: list[_Draft | None], logits: list[torch.Tensor | None]
+    ) -> None:
+        seqs = batch.seqs
+        # 1. Process every position that needs a token: [M, V] with one params entry per row.
+        chunks: list[torch.Tensor] = []
+        owners: list[int] = []  # batch row of each chunk
+        for i, (seq, raw) in enumerate(zip(seqs, logits, strict=True)):
+            if raw is None:
+                seq.num_computed_tokens += batch.num_new_tokens[i]
+                self.scheduler.cache_blocks(seq)
+                continue
+            d = drafts[i]
+            lg = apply_penalties(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+            if lg is raw:
+                lg = raw.clone()
+            if d is not None and d.tokens:
+                lg = lg[-(len(d.tokens) + 1) :]
+            if seq.params.logit_bias:
+                apply_logit_bias(lg, seq.params.logit_bias)
+            if seq.params.constraint is not None:
+                masks = list(d.masks) if d is not None else []
+                for j in range(len(masks)):
+                    lg[j].masked_fill_(~masks[j], float("-inf"))
+                self._mask_row(seq, lg[len(masks)])  # the matcher is past every draft now
+            chunks.append(lg)
+            owners.append(i)
+        if not chunks:
+            return
+        flat = torch.cat(chunks)
+        params = [seqs[i].params for i, c in zip(owners, chunks, strict=True) for _ in range(c.shape[0])]
+        probs = probs_batch(flat, params)
+        want_lp = any(seqs[i].params.logprobs is not None for i in owners)
+        logprobs = torch.log_softmax(flat, dim=-1) if want_lp else None
+        # 2. Acceptance over the speculating rows at once; plain rows take position 0.
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + c.shape[0])
+        spec = [r for r, i in enumerate(owners) if drafts[i] is not None and drafts[i].tokens]  # type: ignore[union-attr]
+        accepted = [0] * len(owners)
+        next_dist: list[torch.Tensor] = [probs[offsets[r]] for r in range(len(owners))]
+        if spec:
+            k = max(len(drafts[owners[r]].tokens) for r in spec)  # type: ignore[union-attr]
+            vocab = probs.shape[1]
+            d_tok = torch.zeros((len(spec), k), dtype=torch.long)
+            d_num = torch.zeros(len(spec), dtype=torch.long)
+            p = torch.zeros((len(spec), k, vocab))
+            q = torch.zeros((len(spec), k + 1, vocab))
+            for j, r in enumerate(spec):
+                d = drafts[owners[r]]
+                assert d is not None
+                n = len(d.tokens)
+                d_tok[j, :n] = torch.tensor(d.tokens)
+                d_num[j] = n
+                p[j, :n] = torch.stack(d.probs)
+                q[j, : n + 1] = probs[offsets[r] : offsets[r] + n + 1]
+            uniform = torch.rand((len(spec), k), generator=self._shared_generator)
+            num_acc, dist = accept_batch(d_tok, d_num, p, q, uniform)
+            for j, r in enumerate(spec):
+                accepted[r] = int(num_acc[j])
+                next_dist[r] = dist[j]
+        # 3. The next token of every row: argmax for greedy rows, one batched draw for the rest.
+        dists = torch.stack(next_dist)
+        tokens = dists.argmax(dim=-1)
+        sampled = [r for r, i in enumerate(owners) if not seqs[i].params.is_greedy]
+        if sampled:
+            gens = [self._generator(seqs[owners[r]]) for r in sampled]
+            tokens[sampled] = draw(dists[sampled], gens, self._shared_generator)
+        # 4. Apply: computed counts, matcher state, logprobs, postprocess.
+        drafted_total = accepted_total = 0
+        for r, i in enumerate(owners):
+            seq = seqs[i]
+            d = drafts[i]
+            num_drafted = len(d.tokens) if d is not None else 0
+            m = accepted[r]
+            new = (d.tokens[:m] if d is not None else []) + [int(tokens[r])]
+            base = seq.num_tokens
+            if num_drafted:
+                drafted_total += num_drafted
+                accepted_total += m
+                seq.num_draft_tokens += num_drafted
+                seq.num_accepted_tokens += m
+                # Target KV holds the fed last token and the m accepted drafts; the draft's holds
+                # what it was fed of them (never the last draft).
+                seq.num_computed_tokens = base + m
+                seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, base + m)
+            else:
+                seq.num_computed_tokens += batch.num_new_tokens[i]
+            matcher = seq.params.constraint
+            if matcher is not None:
+                advanced = self._matcher_advance.pop(seq.seq_id, 0)
+                if advanced > m:
+                    matcher.rollback(advanced - m)
+                if not matcher.accept(new[-1]) and new[-1] not in self.eos_token_ids:
+                    self._fail(seq, "the grammar rejected a sampled token")
+                    continue
+            lps = None
+            if logprobs is not None and seq.params.logprobs is not None:
+                lps = [
+                    self._logprob(logprobs[offsets[r] + j], tok, seq.params.logprobs)
+                    for j, tok in enumerate(new)
+                ]
+            self._postprocess(seq, new, lps)
+        if drafted_total:
+            self.spec.record_acceptance(drafted_total, accepted_total)
+            if self.observer is not None:
+                self.observer.on_spec(self.name, drafted_total, accepted_total)
+
+    @staticmethod
+    def _logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """``row``: log-softmax over the processed logits at one position ``[V]``."""
+        alternatives: list[tuple[int, float]] = []
+        if top:
+            values, ids = torch.topk(row, top)
+            alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=True)]
+        return TokenLogprob(token, float(row[token]), alternatives)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        tracked = self._tracked.get(seq.seq_id)
+        return tracked.generator if tracked is not None else None
+
     # -- after sampling --------------------------------------------------------------------------
-    def _postprocess(self, seq: Sequence, new_tokens: list[int]) -> None:
-        """Append tokens one by one, stopping at EOS, stop ids/strings, max_tokens or the context."""
+    def _postprocess(
+        self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> None:
+        """Append tokens one by one, stopping at EOS, stop ids/strings, a complete grammar,
+        max_tokens or the context; then name the blocks they filled and finish what is done."""
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None or seq.is_finished:
             return
@@ -392,14 +581,19 @@ class Engine:
             seq.first_token_time = time.monotonic()
         params = seq.params
         finish: tuple[SequenceStatus, str] | None = None
-        for tok in new_tokens:
+        for j, tok in enumerate(new_tokens):
             seq.token_ids.append(tok)
             tracked.pending_tokens.append(tok)
+            if logprobs is not None:
+                tracked.pending_logprobs.append(logprobs[j])
             if (not params.ignore_eos and tok in self.eos_token_ids) or tok in params.stop_token_ids:
                 finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
                 break
             tracked.detok.add(tok)
             if tracked.detok.stopped:
+                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
+                break
+            if params.constraint is not None and params.constraint.is_terminated and j == len(new_tokens) - 1:
                 finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
                 break
             if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
@@ -408,6 +602,7 @@ class Engine:
         # KV past the kept tokens is stale; never count it as computed.
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)
+        self.scheduler.cache_blocks(seq)
         if finish is not None:
             self._finish(tracked, *finish)
         else:
@@ -428,8 +623,10 @@ class Engine:
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
             error=error,
+            logprobs=tracked.pending_logprobs if seq.params.logprobs is not None else None,
         )
         tracked.pending_tokens = []
+        tracked.pending_logprobs = []
         if finish_reason is not None:
             out.timings = _timings(seq)
         tracked.handle._push_threadsafe(out)
@@ -441,6 +638,9 @@ class Engine:
         self.scheduler.finish(seq, status, reason)
         seq.error = error
         self._tracked.pop(seq.seq_id, None)
+        if seq.first_scheduled_time is not None or seq.num_output_tokens:
+            steps = max(1, seq.num_output_tokens)
+            self._steps_per_seq_ema = 0.95 * self._steps_per_seq_ema + 0.05 * steps
         self._emit(tracked, reason, error)
         if self.observer is not None:
             self.observer.on_finish(self.name, seq)
@@ -450,25 +650,21 @@ class Engine:
         if tracked is not None:
             self._finish(tracked, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR, message)
 
-    @staticmethod
-    def _slot(seq: Sequence) -> int:
-        assert seq.slot is not None
-        return seq.slot
-
     # -- warm-up ---------------------------------------------------------------------------------
     def warmup(self) -> None:
         """One real forward per model (the readiness bar), then a timing profile that seeds the
-        speculative cost model at each batch-size bucket. Runs before the loop starts."""
+        speculative cost model at batch sizes 1, 2, 4... and ``max_num_seqs``. Runs before the
+        loop starts; its blocks are returned unnamed."""
         prompt = self.tokenizer.encode("Hello, how are you today?") or [0]
-        self.runner.forward([RowInput(0, 0, prompt)])
+        _forward_scratch(self.runner, [prompt])
         if self.draft is None or self.spec.max_k == 0:
             return
-        self.draft.forward([RowInput(0, 0, prompt)])
-        ctx = 32
-        k = self.spec.max_k
-        bucket = 1
-        while bucket <= self.config.max_num_seqs:
-            slots = list(range(bucket))
+        _forward_scratch(self.draft, [prompt])
+        ctx, k = 32, self.spec.max_k
+        sizes = sorted(
+            {min(1 << i, self.config.max_num_seqs) for i in range(12)} | {self.config.max_num_seqs}
+        )
+        for b in sizes:
             for _ in range(2):
                 for tokens, runner, record in (
                     (1, self.runner, self.spec.record_target),
@@ -476,9 +672,25 @@ class Engine:
                     (1, self.draft, self.spec.record_draft),
                 ):
                     started = time.perf_counter()
-                    runner.forward([RowInput(s, ctx, [prompt[0]] * tokens) for s in slots])
-                    record(bucket, tokens, time.perf_counter() - started)
-            bucket *= 2
+                    _forward_scratch(runner, [[prompt[0]] * tokens] * b, start=ctx)
+                    record(b, tokens, time.perf_counter() - started)
+
+
+def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:
+    """A forward on temporary blocks (warm-up and profiling), freed before returning."""
+    from tiers.block_manager import BlockTable
+
+    tables = []
+    try:
+        for toks in token_rows:
+            t = BlockTable()
+            if not runner.blocks.allocate(t, start + len(toks)):
+                break
+            tables.append(t)
+        runner.forward([RowInput(t.blocks, start, toks) for t, toks in zip(tables, token_rows, strict=False)])
+    finally:
+        for t in tables:
+            runner.blocks.free(t)
 
 
 def _timings(seq: Sequence) -> dict[str, float]:

@@ -15,10 +15,13 @@ softcapping - keeps the generic path.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tiers.model_runner import AttnGroup
 
 __all__ = ["FastDecoder", "supports_fast_path"]
 
@@ -82,46 +85,53 @@ class FastDecoder:
         return x * cos + rotated * sin
 
     def __call__(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        groups: list[AttnGroup],
+        kv_pool: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [B, T]; mask: [B, 1, T, kv_len] bool -> hidden states [B, T, hidden]."""
-        b, t = input_ids.shape
-        h = self.base.embed_tokens(input_ids)
-        cos, sin = self.base.rotary_emb(h, positions)  # [B, T, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        gqa = self.num_kv_heads != self.num_heads
+        """One forward over a flattened token stream.
+
+        input_ids, positions, slots: [N] (slot = pool block * block_size + offset, where each
+        token's K/V is written); groups: rows of equal query length, contiguous in the stream;
+        kv_pool: [layers, blocks, block_size, 2, kv_heads, head_dim]. Returns hidden states [N, hidden].
+        """
+        n = input_ids.shape[0]
+        h = self.base.embed_tokens(input_ids)  # [N, hidden]
+        cos, sin = self.base.rotary_emb(h, positions[None])  # [1, N, head_dim]
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, head_dim]
+        heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         for i, (w_in, eps_in, q_p, k_p, v_p, o_p, w_post, eps_post, gate, up, down) in enumerate(self.layers):
             x = self._rms_norm(h, w_in, eps_in)
-            q = q_p(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k_p(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v_p(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
-            keys, values = cache.update(k, v, i)
-            if gqa and t == 1:
-                # One query per row: fold each KV head's query group into the query axis
-                # ([B, kv_heads, group, D]) so attention reads K/V once, no per-group copies.
-                attn = F.scaled_dot_product_attention(
-                    q.reshape(b, self.num_kv_heads, self.group, self.head_dim),
-                    keys,
-                    values,
-                    attn_mask=mask,
-                    scale=self.scale,
-                ).reshape(b, self.num_heads, 1, self.head_dim)
-            else:
-                if gqa:  # K/V per query head, as HF's repeat_kv (the CPU flash kernel takes no GQA)
-                    keys = (
-                        keys[:, :, None]
-                        .expand(b, self.num_kv_heads, self.group, *keys.shape[2:])
-                        .reshape(b, self.num_heads, *keys.shape[2:])
-                    )
-                    values = (
-                        values[:, :, None]
-                        .expand(b, self.num_kv_heads, self.group, *values.shape[2:])
-                        .reshape(b, self.num_heads, *values.shape[2:])
-                    )
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-            h = h + o_p(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+            q = self._rotate(q_p(x).view(n, heads, dim), cos, sin)
+            k = self._rotate(k_p(x).view(n, kv_heads, dim), cos, sin)
+            v = v_p(x).view(n, kv_heads, dim)
+            pool = kv_pool[i]  # [blocks, block_size, 2, kv_heads, dim]
+            # One write per layer: K and V of every new token at its slot.
+            pool.view(-1, 2, kv_heads, dim).index_copy_(0, slots, torch.stack((k, v), dim=1).to(pool.dtype))
+            out = torch.empty_like(q)  # [N, heads, dim]
+            for g in groups:
+                rows, t = g.num_rows, g.q_len
+                kv = pool.index_select(0, g.block_idx).view(rows, g.kv_len, 2, kv_heads, dim)
+                keys = kv[:, :, 0].transpose(1, 2).to(q.dtype)  # [rows, kv_heads, kv_len, dim]
+                values = kv[:, :, 1].transpose(1, 2).to(q.dtype)
+                # GQA folded: each KV head's query group and positions share one query axis
+                # ([rows, kv_heads, group * t, dim]), so K/V are read once, never repeated per head.
+                qg = (
+                    q[g.first : g.first + rows * t]
+                    .view(rows, t, kv_heads, group, dim)
+                    .permute(0, 2, 3, 1, 4)
+                    .reshape(rows, kv_heads, group * t, dim)
+                )
+                attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=self.scale)
+                out[g.first : g.first + rows * t] = (
+                    attn.view(rows, kv_heads, group, t, dim)
+                    .permute(0, 3, 1, 2, 4)
+                    .reshape(rows * t, heads, dim)
+                )
+            h = h + o_p(out.view(n, heads * dim))
             x = self._rms_norm(h, w_post, eps_post)
             h = h + down(F.silu(gate(x)) * up(x))
         return self._rms_norm(h, self.norm_weight, self.norm_eps)

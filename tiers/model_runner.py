@@ -1,19 +1,26 @@
-"""The only engine file that touches torch: the KV slot pool and the batched forward.
+"""The only engine file that touches torch: the paged KV pool and the batched forward.
 
-KV design (chosen by measurement, see benchmarks/batching.py): a preallocated pool per layer,
-``k[layer]: [num_slots, kv_heads, max_model_len, head_dim]``, one slot per running sequence. Each
-forward writes the new keys/values at per-row positions and hands attention a view of the first
-``kv_len`` positions of the batch's slots, with a ``[B, 1, T, kv_len]`` boolean mask that encodes
-per-row causality and length. This works for any Hugging Face decoder-only model whose attention
-calls ``cache.update(...)`` (Llama, Qwen2, Mistral, Gemma...), with no model code of our own.
+KV layout: one tensor ``kv: [layers, num_blocks + 1, block_size, 2, kv_heads, head_dim]`` (vLLM's
+token-major block layout, K and V side by side so each layer's new keys and values land in one
+``index_copy_``). Block ``num_blocks`` is a scratch block no sequence owns: padded positions of the
+generic path write there. Which block holds which token is the ``BlockManager``'s business
+(``block_manager.py``, owned here so a tier and the tier it drafts for share one pool).
 
-We measured the alternative, TGI-style per-sequence caches concatenated and filtered each step:
-``torch.cat`` of every layer's cache per step cost more than the matmuls at batch 16. A paged pool
-with block tables would need a gather per layer per step for HF's attention, which the dense-slot
-layout avoids (the scheduler keeps slots dense so a decode batch is a contiguous view).
+The pool is allocated with ``torch.empty``: the OS hands out zeroed pages only when first
+written, so resident memory follows the blocks actually used (the budget is an upper bound), and
+unused positions read as zeros, never NaN.
 
-Rollback (rejected speculative tokens) is free: positions past ``num_computed_tokens`` are simply
-masked out and overwritten later.
+A forward takes rows of ``(block table, start position, tokens)``. Two paths:
+
+- Llama-family models (``fast_forward.py``): all rows' tokens flattened into one ``[N, hidden]``
+  stream, so the projections and MLP see no padding; attention runs once per group of rows with
+  the same query length over K/V gathered from their blocks, GQA folded into the query axis.
+- Any other HF decoder: a padded ``[B, T]`` forward through HF's own modules with a duck-typed
+  cache whose ``update`` writes into the pool and returns the rows' gathered K/V, plus a 4D mask.
+
+On CPU the gather (one ``index_select`` of whole blocks per layer and group) is the price of
+paging: measured at batch 16 x 600 tokens it about doubles attention's own cost, which is small
+next to the weight reads of a step, and buys memory that follows live tokens.
 """
 
 from __future__ import annotations
@@ -23,52 +30,87 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from tiers.block_manager import BlockManager
 from tiers.fast_forward import FastDecoder, supports_fast_path
 
 if TYPE_CHECKING:
     from tiers.loading import LoadedModel
 
-__all__ = ["ModelRunner", "RowInput"]
+__all__ = ["AttnGroup", "ModelRunner", "RowInput", "check_supported", "kv_bytes_per_token"]
 
 
 @dataclass(slots=True)
 class RowInput:
-    slot: int
+    block_table: list[int]
     start: int
-    """Position of the first fed token (= tokens already in this slot's cache)."""
+    """Position of the first fed token (= tokens of this row already in its blocks)."""
     token_ids: list[int]
     logits: Literal["none", "last", "all"] = "last"
 
 
-class _StepCache:
-    """Duck-typed HF cache for one forward: writes new K/V into the slots, returns the batch's view."""
+@dataclass(slots=True)
+class AttnGroup:
+    """Rows with the same query length, contiguous in the flattened token stream."""
+
+    first: int
+    """Index of the group's first token in the flattened stream."""
+    num_rows: int
+    q_len: int
+    block_idx: torch.Tensor
+    """``[num_rows * num_blocks]``: pool blocks to gather, row-major (padded with the scratch block)."""
+    kv_len: int
+    """Gathered positions per row (``num_blocks * block_size``)."""
+    mask: torch.Tensor
+    """``[num_rows, 1, group * q_len, kv_len]`` bool, query axis in GQA-folded order."""
+
+
+def kv_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes across all layers of a model with config ``cfg``."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def check_supported(cfg: Any, max_model_len: int) -> None:
+    """Refuse what the paged engine would compute wrongly: sliding-window attention narrower than
+    the context (our masks are full-causal; Gemma 2/3 and windowed Mistral need per-layer windows)."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    window = getattr(text, "sliding_window", None)
+    uses = getattr(text, "use_sliding_window", True)
+    layer_types = getattr(text, "layer_types", None) or []
+    if window and uses and int(window) < max_model_len:
+        raise ValueError(
+            f"model type '{text.model_type}' uses sliding-window attention ({window} tokens) and "
+            f"max_model_len is {max_model_len}: the paged engine attends to the whole context, which would "
+            f"change the model's output; set max_model_len <= {window} or use a remote tier (vLLM)"
+        )
+    if any(t == "sliding_attention" for t in layer_types) and window and int(window) < max_model_len:
+        raise ValueError(f"model type '{text.model_type}' has sliding-window layers; see above")
+
+
+class _PagedCache:
+    """Duck-typed HF cache for one padded forward (generic path)."""
 
     def __init__(
-        self, runner: ModelRunner, slots: torch.Tensor, positions: torch.Tensor, kv_len: int
+        self, runner: ModelRunner, slots: torch.Tensor, block_idx: torch.Tensor, kv_len: int
     ) -> None:
         self.runner = runner
-        self.slots_col = slots[:, None]  # [B, 1]
-        self.positions = positions  # [B, T]
+        self.slots = slots  # [B * T] pool slot of every padded token (scratch for padding)
+        self.block_idx = block_idx  # [B * num_blocks]
         self.kv_len = kv_len
-        first = int(slots[0])
-        n = slots.numel()
-        contiguous = bool(torch.equal(slots, torch.arange(first, first + n, device=slots.device)))
-        self.view = slice(first, first + n) if contiguous else None
-        self.slots = slots
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, kv_heads, T, head_dim] -> the pool wants [B, T, kv_heads, head_dim] at (slot, pos).
-        k_pool = self.runner.k[layer_idx]
-        v_pool = self.runner.v[layer_idx]
-        k_pool[self.slots_col, :, self.positions] = key_states.transpose(1, 2).to(k_pool.dtype)
-        v_pool[self.slots_col, :, self.positions] = value_states.transpose(1, 2).to(v_pool.dtype)
-        if self.view is not None:
-            return k_pool[self.view, :, : self.kv_len], v_pool[self.view, :, : self.kv_len]
-        return k_pool[self.slots, :, : self.kv_len], v_pool[self.slots, :, : self.kv_len]
+        # key_states: [B, kv_heads, T, head_dim] -> flat tokens [B*T, kv_heads, head_dim]
+        b, h, t, d = key_states.shape
+        pool = self.runner.kv[layer_idx]
+        new = torch.stack((key_states.transpose(1, 2), value_states.transpose(1, 2)), dim=2)
+        pool.view(-1, 2, h, d).index_copy_(0, self.slots, new.reshape(b * t, 2, h, d).to(pool.dtype))
+        kv = pool.index_select(0, self.block_idx).view(b, self.kv_len, 2, h, d)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
-    # Some model code asks these of any cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
 
@@ -78,77 +120,173 @@ class _StepCache:
 
 
 class ModelRunner:
-    """Runs batched forwards of one model over its own KV slot pool."""
+    """Batched forwards of one model over its own paged KV pool."""
 
     def __init__(
-        self, loaded: LoadedModel, *, num_slots: int, max_model_len: int, fast_path: bool = True
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int = 2048,
+        enable_prefix_caching: bool = True,
+        fast_path: bool = True,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.dtype = loaded.dtype
-        self.num_slots = num_slots
         self.max_model_len = max_model_len
         cfg = self.model.config.get_text_config()
+        check_supported(cfg, max_model_len)
         self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.vocab_size = int(cfg.vocab_size)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
-        shape = (num_slots, self.num_kv_heads, max_model_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.base = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
+        self.vocab_size = int(self.lm_head.out_features)
+        """Width of the logits (may exceed the tokenizer's vocabulary)."""
+        self.block_size = block_size
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.scratch_block = num_blocks
+        shape = (self.num_layers, num_blocks + 1, block_size, 2, self.num_kv_heads, self.head_dim)
+        self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.base = self.model.base_model
         # Llama-family models skip HF's layer stack for a lean loop over the same modules.
         self.fast = FastDecoder(self.model) if fast_path and supports_fast_path(self.model) else None
 
     @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.kv.numel() * self.kv.element_size()
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k[0].element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.block_size
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def _slots(self, row: RowInput, n: int) -> list[int]:
+        bs = self.block_size
+        table = row.block_table
+        return [table[p // bs] * bs + p % bs for p in range(row.start, row.start + n)]
+
+    def _block_idx(self, rows: list[RowInput], num_blocks: int) -> torch.Tensor:
+        flat: list[int] = []
+        for r in rows:
+            used = self.blocks.blocks_for(r.start + len(r.token_ids))
+            flat += r.block_table[:used] + [self.scratch_block] * (num_blocks - used)
+        return torch.tensor(flat, dtype=torch.long)
+
+    # -- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
-        """One padded ``[B, T]`` forward. Returns float32 logits per row: ``[1, V]`` for ``last``,
-        ``[n, V]`` for ``all`` (one per fed token), ``None`` for ``none``."""
+        """Returns float32 logits per row: ``[1, V]`` for ``last``, ``[n, V]`` for ``all`` (one
+        per fed token), ``None`` for ``none``."""
         if not rows:
             return []
+        if self.fast is not None:
+            return self._forward_flat(rows)
+        return self._forward_padded(rows)
+
+    def _forward_flat(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
+        assert self.fast is not None
+        bs = self.block_size
+        # Rows of equal query length side by side, so each attention group is one slice.
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids))
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets = [0] * len(rows)  # row -> index of its first token in the stream
+        groups: list[AttnGroup] = []
+        group = self.num_heads // self.num_kv_heads
+        i = 0
+        while i < len(order):
+            q_len = len(rows[order[i]].token_ids)
+            j = i
+            while j < len(order) and len(rows[order[j]].token_ids) == q_len:
+                j += 1
+            members = [rows[k] for k in order[i:j]]
+            first = len(ids)
+            for k in order[i:j]:
+                r = rows[k]
+                offsets[k] = len(ids)
+                ids += r.token_ids
+                positions += range(r.start, r.start + q_len)
+                slots += self._slots(r, q_len)
+            num_blocks = max(self.blocks.blocks_for(r.start + q_len) for r in members)
+            kv_len = num_blocks * bs
+            starts = torch.tensor([r.start for r in members], dtype=torch.long)
+            q_pos = starts[:, None] + torch.arange(q_len)[None, :]  # [rows, q_len]
+            # mask[r, 0, g*q_len + t, j]: query t of row r sees key j iff j <= its position.
+            mask = torch.arange(kv_len)[None, None, :] <= q_pos[:, :, None]  # [rows, q_len, kv_len]
+            mask = (
+                mask[:, None]
+                .expand(len(members), group, q_len, kv_len)
+                .reshape(len(members), 1, group * q_len, kv_len)
+            )
+            groups.append(
+                AttnGroup(
+                    first,
+                    len(members),
+                    q_len,
+                    self._block_idx(members, num_blocks).to(self.device),
+                    kv_len,
+                    mask.to(self.device),
+                )
+            )
+            i = j
         dev = self.device
+        hidden = self.fast(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            groups,
+            self.kv,
+        )  # [N, hidden]
+        picks: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        for k, r in enumerate(rows):
+            n = len(r.token_ids)
+            if r.logits == "none":
+                spans.append(None)
+                continue
+            cols = range(n - 1, n) if r.logits == "last" else range(n)
+            spans.append((len(picks), len(picks) + len(cols)))
+            picks += [offsets[k] + c for c in cols]
+        return self._logits(hidden, picks, spans)
+
+    def _forward_padded(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
+        dev = self.device
+        bs = self.block_size
         num_rows = len(rows)
         width = max(len(r.token_ids) for r in rows)
         ids = torch.full((num_rows, width), self.pad_token_id, dtype=torch.long)
-        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
-        lengths = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.long)
+        positions = torch.zeros((num_rows, width), dtype=torch.long)
+        slots = torch.full((num_rows, width), self.scratch_block * bs, dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, : len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.long)
-        offsets = torch.arange(width, dtype=torch.long)
-        # positions: [B, T]; padding positions clamp inside the slot (their K/V is garbage past the
-        # row's end, masked now and overwritten when the row gets there).
-        positions = (starts[:, None] + offsets[None, :]).clamp(max=self.max_model_len - 1)
-        kv_len = int((starts + lengths).max())
-        # mask[b, 0, t, j]: query t of row b sees key j iff j <= start_b + t (causal within the slot).
-        keys = torch.arange(kv_len, dtype=torch.long)
-        mask = keys[None, None, None, :] <= positions[:, None, :, None]
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        cache = _StepCache(self, slots.to(dev), positions.to(dev), kv_len)
-        if self.fast is not None:
-            hidden = self.fast(ids.to(dev), mask.to(dev), positions.to(dev), cache)
-        else:
-            out = self.base(
-                input_ids=ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=positions.to(dev),
-                cache=cache,
-                use_cache=True,
-            )
-            hidden = out.last_hidden_state  # [B, T, hidden]
-        pick_rows: list[int] = []
-        pick_cols: list[int] = []
+            n = len(r.token_ids)
+            ids[i, :n] = torch.tensor(r.token_ids, dtype=torch.long)
+            positions[i, :n] = torch.arange(r.start, r.start + n)
+            positions[i, n:] = r.start + n - 1  # padding: any valid position (its output is dropped)
+            slots[i, :n] = torch.tensor(self._slots(r, n), dtype=torch.long)
+        num_blocks = max(self.blocks.blocks_for(r.start + len(r.token_ids)) for r in rows)
+        kv_len = num_blocks * bs
+        mask = torch.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+        cache = _PagedCache(self, slots.view(-1).to(dev), self._block_idx(rows, num_blocks).to(dev), kv_len)
+        out = self.base(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            cache=cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state.reshape(num_rows * width, -1)  # [B*T, hidden]
+        picks: list[int] = []
         spans: list[tuple[int, int] | None] = []
         for i, r in enumerate(rows):
             n = len(r.token_ids)
@@ -156,41 +294,18 @@ class ModelRunner:
                 spans.append(None)
                 continue
             cols = range(n - 1, n) if r.logits == "last" else range(n)
-            spans.append((len(pick_rows), len(pick_rows) + len(cols)))
-            pick_rows.extend([i] * len(cols))
-            pick_cols.extend(cols)
-        if not pick_rows:
-            return [None] * num_rows
-        selected = hidden[torch.tensor(pick_rows, device=dev), torch.tensor(pick_cols, device=dev)]
-        logits = self.lm_head(selected).float()  # [N, V]
+            spans.append((len(picks), len(picks) + len(cols)))
+            picks += [i * width + c for c in cols]
+        return self._logits(hidden, picks, spans)
+
+    def _logits(
+        self, hidden: torch.Tensor, picks: list[int], spans: list[tuple[int, int] | None]
+    ) -> list[torch.Tensor | None]:
+        if not picks:
+            return [None] * len(spans)
+        selected = hidden.index_select(0, torch.tensor(picks, dtype=torch.long, device=hidden.device))
+        logits = self.lm_head(selected).float()  # [M, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         logits = logits.cpu()
         return [None if s is None else logits[s[0] : s[1]] for s in spans]
-
-    @torch.inference_mode()
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into ``dst`` (slot compaction)."""
-        if length <= 0:
-            return
-        for pool in (self.k, self.v):
-            for t in pool:
-                t[dst, :, :length] = t[src, :, :length]
-
-    @torch.inference_mode()
-    def read_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """KV of positions ``[start, end)``: ``[layers, 2, kv_heads, end - start, head_dim]`` (a copy)."""
-        return torch.stack(
-            [
-                torch.stack([self.k[i][slot, :, start:end], self.v[i][slot, :, start:end]])
-                for i in range(self.num_layers)
-            ]
-        ).clone()
-
-    @torch.inference_mode()
-    def write_kv(self, slot: int, start: int, kv: torch.Tensor) -> None:
-        """Inverse of ``read_kv``."""
-        end = start + kv.shape[3]
-        for i in range(self.num_layers):
-            self.k[i][slot, :, start:end] = kv[i, 0]
-            self.v[i][slot, :, start:end] = kv[i, 1]

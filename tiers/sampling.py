@@ -1,8 +1,13 @@
-"""Logit processing and token sampling, with per-request parameters in one batch.
+"""Logit processing and token sampling, vectorised over every row of a step.
 
-Order (as vLLM and HF do it): penalties on raw logits -> greedy argmax, or temperature -> top-k ->
-top-p -> softmax -> draw with the request's own generator (so ``seed`` reproduces a request's output
-whatever else shares its batch).
+Order (as vLLM and HF do it): penalties and ``logit_bias`` on raw logits -> grammar masks ->
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> softmax -> draw. Rows carry their own
+parameters; one batched pass serves them all.
+
+Draws use the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token is an exact
+sample from ``p``): the noise of a seeded request comes from its own generator, one ``[V]`` draw
+per sampled token, so ``seed`` reproduces a request's output whatever else shares its batch;
+everything else shares one batched draw from the engine's generator.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 
 from tiers.sequence import SamplingParams
 
-__all__ = ["apply_penalties", "probs_from_logits", "sample_rows"]
+__all__ = ["apply_logit_bias", "apply_penalties", "draw", "probs_batch"]
 
 
 def apply_penalties(
@@ -44,30 +49,60 @@ def apply_penalties(
     return logits
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``logits: [n, V]`` -> the distribution a sampled request draws from, ``[n, V]`` (rows sum to 1).
+def apply_logit_bias(logits: torch.Tensor, bias: Seq[tuple[int, float]]) -> None:
+    """OpenAI ``logit_bias``, in place on ``logits: [n, V]``; ids past the logits are ignored."""
+    vocab = logits.shape[-1]
+    ids = [t for t, _ in bias if 0 <= t < vocab]
+    if ids:
+        values = torch.tensor([b for t, b in bias if 0 <= t < vocab], dtype=logits.dtype)
+        logits[:, ids] += values
 
-    Greedy requests get a one-hot at the argmax, which keeps the speculative acceptance rule exact
-    for them too.
-    """
-    if params.is_greedy:
-        out = torch.zeros_like(logits)
-        out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        return out
-    x = logits / params.temperature
-    if params.top_k and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
+
+def probs_batch(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """``logits: [M, V]``, one ``params`` per row -> the distribution each row draws from.
+
+    Greedy rows get a one-hot at the argmax, which keeps the speculative acceptance rule exact
+    for them too."""
+    vocab = logits.shape[1]
+    greedy = torch.tensor([p.is_greedy for p in params])
+    temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], dtype=logits.dtype)
+    x = logits / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab and not p.is_greedy else 0 for p in params]
+    top_p = [p.top_p if not p.is_greedy else 1.0 for p in params]
+    if any(top_k) or any(tp < 1.0 for tp in top_p):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = sorted_x.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
-        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
-    return x.softmax(dim=-1)
+        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if any(top_k):
+            ks = torch.tensor([k or vocab for k in top_k])
+            drop |= torch.arange(vocab)[None, :] >= ks[:, None]
+        if any(tp < 1.0 for tp in top_p):
+            sorted_p = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Drop a token when the mass strictly before it already reaches top_p (the first stays).
+            drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= torch.tensor(top_p, dtype=x.dtype)[:, None]
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p if not p.is_greedy else 0.0 for p in params], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
 
 
-def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of ``probs: [n, V]`` -> ``[n]``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def draw(
+    probs: torch.Tensor, generators: Seq[torch.Generator | None], shared: torch.Generator
+) -> torch.Tensor:
+    """One token per row of ``probs: [M, V]`` -> ``[M]``: row i uses ``generators[i]`` when set,
+    else the shared generator (one batched draw for all such rows)."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        block = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype).exponential_(generator=shared)
+        noise[unseeded] = block
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)

@@ -1,16 +1,20 @@
-"""The torch-free scheduler: which sequences run this step, and with how many tokens.
+"""The torch-free scheduler: which sequences run this step, with how many tokens, in which blocks.
 
-KV memory is a fixed pool of *slots*, one per running sequence, each ``max_model_len`` tokens long
-(see ``model_runner.py`` for why). Slots are kept dense - running sequences own slots
-``0..n-1`` - so a decode batch usually reads the cache through a view instead of a gather; when a
-sequence leaves, the last slot's owner moves into the hole and the scheduler reports that move for
-the runner to copy.
+One rule for everything (vLLM v1's): a sequence's ``num_computed_tokens`` catches up with its
+``num_tokens`` under one per-step token budget. A decode is a sequence one token behind (plus the
+speculative tokens the engine will draft for it); a prefill chunk is a sequence further behind; a
+prefix-cache hit or a preempted sequence's recompute are the same rule from another starting
+point. Decodes, prefill chunks and verification tokens share one forward.
 
-A step is either a *prefill* step (prompt chunks, bounded by ``max_num_batched_tokens`` padded
-tokens) or a *decode* step (every sequence whose prompt is done, one token each plus speculative
-tokens). Mixing both in one ``[batch, tokens]`` forward would pad every decode row to the chunk
-length; alternating the two instead bounds a running decode's stall to one chunk, which is what
-chunked prefill is for.
+Order within a step: running sequences first (oldest first, so decodes keep flowing and a long
+prompt progresses in budget-sized chunks), then waiting ones while budget, batch slots and blocks
+last. When a running sequence cannot get blocks for its next tokens, the newest running sequence is
+preempted by recompute: its blocks are freed and it goes back to the front of the queue, keeping
+its generated tokens. A sequence that fits the pool alone is therefore never failed.
+
+Draft-side KV (speculative tiers) follows the target: a sequence's draft table is grown for the
+chunk the draft will feed this step, and a sequence whose draft cannot get blocks simply does not
+speculate (drafting is an optimisation; it never preempts anything).
 """
 
 from __future__ import annotations
@@ -18,26 +22,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
+from tiers.block_manager import BlockManager
 from tiers.sequence import Sequence, SequenceStatus
 
-__all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "SlotMove", "SlotTable"]
+__all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig"]
 
-SlotMove = tuple[int, int, Sequence]
-"""``(src, dst, moved sequence)``: copy the sequence's KV from slot src to dst."""
+MAX_DRAFT_CATCHUP = 8
+"""A sequence speculates this step only if its draft is at most this many tokens behind; a longer
+backlog (after plain steps) is caught up in chunks first."""
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 16
-    """Concurrent sequences (= KV slots)."""
+    """Sequences in one batch (a bound on the batch, not on memory: blocks are)."""
     max_num_batched_tokens: int = 512
-    """Padded tokens one prefill step may feed (batch rows x longest chunk)."""
+    """Tokens one step may feed the target: decodes + speculative tokens + prefill chunks."""
     max_model_len: int = 2048
-    """Prompt plus output tokens a sequence may hold (= slot length)."""
+    """Prompt plus output tokens a sequence may hold."""
     max_waiting: int = 64
-    """Sequences allowed to wait for a slot; the engine refuses more."""
+    """Sequences allowed to wait for a batch slot; the engine refuses more."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -47,74 +52,49 @@ class SchedulerConfig:
             raise ValueError("max_waiting must be >= 0")
 
 
-class SlotTable:
-    """Dense slot allocation: owners of slots ``0..num_used-1`` are the running sequences."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.owners: list[Sequence] = []
-
-    @property
-    def num_used(self) -> int:
-        return len(self.owners)
-
-    @property
-    def num_free(self) -> int:
-        return self.num_slots - len(self.owners)
-
-    def allocate(self, seq: Sequence) -> bool:
-        if not self.num_free:
-            return False
-        seq.slot = len(self.owners)
-        self.owners.append(seq)
-        return True
-
-    def free(self, seq: Sequence) -> SlotMove | None:
-        """Release ``seq``'s slot; returns the move when the last slot's owner moved into it."""
-        slot = seq.slot
-        assert slot is not None
-        assert self.owners[slot] is seq
-        seq.slot = None
-        last = self.owners.pop()
-        if last is seq:
-            return None
-        self.owners[slot] = last
-        src = last.slot
-        last.slot = slot
-        assert src is not None
-        return src, slot, last
-
-
 @dataclass(slots=True)
 class ScheduledBatch:
-    kind: Literal["prefill", "decode"]
     seqs: list[Sequence]
     num_new_tokens: list[int]
-    """Tokens fed per sequence this step, speculative tokens not included."""
+    """Tokens of ``token_ids`` fed to the target per sequence, speculative tokens not included."""
+    num_spec_tokens: list[int]
+    """Speculative tokens the engine may draft per sequence (0: plain)."""
+    num_draft_tokens: list[int]
+    """Tokens of ``token_ids`` fed to the draft per sequence before drafting (catch-up)."""
     admitted: list[Sequence] = field(default_factory=list)
-    """Sequences that got a slot this step."""
+    preempted: list[Sequence] = field(default_factory=list)
+    kind: str = "decode"
+    """For metrics: ``decode`` (every row one token behind), ``prefill`` (none is) or ``mixed``."""
 
     @property
     def num_seqs(self) -> int:
         return len(self.seqs)
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens) + sum(self.num_spec_tokens)
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, on_admit: Callable[[Sequence], None] | None = None) -> None:
-        """``on_admit`` runs when a sequence gets its slot, before its first chunk is sized: the
-        engine loads prefix-cache hits there (advancing ``num_computed_tokens``)."""
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        draft_blocks: BlockManager | None = None,
+        *,
+        spec_budget: Callable[[Sequence], int] | None = None,
+    ) -> None:
+        """``spec_budget(seq)``: most speculative tokens the engine would draft for ``seq`` this
+        step (0 when it should not speculate); the scheduler fits them into budget and blocks."""
         self.config = config
-        self.on_admit = on_admit
+        self.blocks = blocks
+        self.draft_blocks = draft_blocks
+        self.spec_budget = spec_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.slots = SlotTable(config.max_num_seqs)
-        self._pending_moves: list[SlotMove] = []
-        self._last_kind: str = "decode"
+        self.num_preemptions = 0
 
     # -- intake ---------------------------------------------------------------------------------
-    def can_accept(self) -> bool:
-        return len(self.waiting) < self.config.max_waiting + self.slots.num_free
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -130,80 +110,177 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def num_kv_tokens(self) -> int:
-        return sum(s.num_computed_tokens for s in self.running)
+        return self.blocks.num_used_blocks * self.blocks.block_size
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step's batch; ``None`` when there is nothing to run."""
-        admitted = self._admit()
-        decoding = [s for s in self.running if not s.is_prefilling]
-        prefilling = [s for s in self.running if s.is_prefilling]
-        # Alternate when both kinds wait, so neither starves the other.
-        if prefilling and (not decoding or self._last_kind == "decode"):
-            batch = self._prefill_batch(prefilling)
-        elif decoding:
-            batch = ScheduledBatch(
-                "decode", decoding, [s.num_tokens - s.num_computed_tokens for s in decoding]
-            )
-        else:
-            batch = None
-        if batch is None:
-            return None
-        self._last_kind = batch.kind
-        batch.admitted = admitted
-        return batch
-
-    def _admit(self) -> list[Sequence]:
-        admitted = []
-        while self.waiting and self.slots.num_free:
-            seq = self.waiting.popleft()
+        """Pick the next step's work; ``None`` when there is nothing to run."""
+        batch = ScheduledBatch([], [], [], [])
+        budget = self.config.max_num_batched_tokens
+        # 1. Running sequences, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            want = self._spec_wanted(seq) if n == 1 else 0
+            lag = seq.num_tokens - seq.num_draft_computed_tokens
+            k = min(want, budget - n) if lag <= MAX_DRAFT_CATCHUP else 0
+            while not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n + k):
+                if k:
+                    k = 0  # first give up the speculative lookahead
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # it preempted itself (it was the newest)
+            self._add_row(batch, seq, n, k, follow_draft=n > 1 or want > 0)
+            budget -= n + k
+            i += 1
+        # 2. Waiting sequences, FIFO, while there is room (none right after a preemption: the
+        #    pool is short, and a readmitted sequence would only be preempted again).
+        while (
+            self.waiting
+            and budget > 0
+            and not batch.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
             if seq.is_finished:  # aborted while waiting
+                self.waiting.popleft()
                 continue
-            self.slots.allocate(seq)
+            if seq.fork_of is not None and not self._may_fork(seq):
+                break
+            if not self._allocate_new(seq, budget):
+                break
+            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
-            if self.on_admit is not None:
-                self.on_admit(seq)
-        return admitted
+            batch.admitted.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self._add_row(batch, seq, n, 0, follow_draft=True)
+            budget -= n
+        if not batch.seqs:
+            return None
+        decodes = sum(
+            1 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if n == 1 and s.is_decoding
+        )
+        batch.kind = "decode" if decodes == batch.num_seqs else "prefill" if decodes == 0 else "mixed"
+        return batch
 
-    def _prefill_batch(self, prefilling: list[Sequence]) -> ScheduledBatch:
-        """FIFO chunks under the padded-token budget: rows x longest chunk <= max_num_batched_tokens.
+    def _spec_wanted(self, seq: Sequence) -> int:
+        if self.spec_budget is None or self.draft_blocks is None or not seq.is_decoding:
+            return 0
+        return self.spec_budget(seq)
 
-        The first row always gets a chunk, so one long prompt progresses alone in budget-sized pieces.
-        """
-        budget = self.config.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        chunks: list[int] = []
-        longest = 0
-        for seq in prefilling:
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            chunk = min(remaining, budget)
-            new_longest = max(longest, chunk)
-            if seqs and new_longest * (len(seqs) + 1) > budget:
-                break
-            seqs.append(seq)
-            chunks.append(chunk)
-            longest = new_longest
-        return ScheduledBatch("prefill", seqs, chunks)
+    def _add_row(self, batch: ScheduledBatch, seq: Sequence, n: int, k: int, *, follow_draft: bool) -> None:
+        """``follow_draft``: the draft feeds this step too (prefill chunks, and decodes that want
+        to speculate); a decode that does not speculate leaves the draft behind, to be caught up
+        in chunks when speculation pays again."""
+        draft_n = self._draft_feed(seq, n, k) if follow_draft else 0
+        if k and draft_n < 0:
+            k, draft_n = 0, self._draft_feed(seq, n, 0)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        batch.num_spec_tokens.append(k)
+        batch.num_draft_tokens.append(max(0, draft_n))
+
+    def _draft_feed(self, seq: Sequence, n: int, k: int) -> int:
+        """Tokens the draft feeds this step: with ``k``, its whole backlog (then it proposes k);
+        without, up to the target's chunk end, at most one step budget. -1 when its blocks
+        cannot be had (the row then runs without drafting)."""
+        if self.draft_blocks is None:
+            return 0
+        dc = seq.num_draft_computed_tokens
+        if k:
+            end = seq.num_tokens
+        else:
+            end = min(
+                seq.num_computed_tokens + n, seq.num_tokens - 1, dc + self.config.max_num_batched_tokens
+            )
+        feed = max(0, end - dc)
+        if feed == 0 and k == 0:
+            return 0
+        if not self.draft_blocks.allocate(seq.draft_table, dc + feed + max(0, k - 1)):
+            return -1
+        return feed
+
+    def _may_fork(self, seq: Sequence) -> bool:
+        """``n > 1`` branches wait until their first branch has computed the prompt, then share
+        its full blocks."""
+        parent = seq.fork_of
+        assert parent is not None
+        if parent.is_finished or parent.status == SequenceStatus.WAITING:
+            if parent.is_finished:
+                seq.fork_of = None  # nothing left to share: prefill on its own
+            return parent.is_finished
+        return parent.num_computed_tokens >= parent.num_prompt_tokens - 1
+
+    def _allocate_new(self, seq: Sequence, budget: int) -> bool:
+        """Blocks for a sequence joining the batch: a fork of its parent's prompt blocks, or
+        the prefix cache's longest match, then fresh blocks for this step's chunk."""
+        bs = self.blocks.block_size
+        prefix: list[int] = []
+        if seq.fork_of is not None:
+            parent = seq.fork_of
+            table = self.blocks.fork(parent.block_table, min(parent.num_computed_tokens, seq.num_tokens - 1))
+            cached = table.num_blocks * bs
+        else:
+            table = seq.block_table
+            prefix = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=seq.num_tokens - 1)
+            cached = len(prefix) * bs
+        n = min(seq.num_tokens - cached, budget)
+        if not self.blocks.allocate(table, cached + n, prefix):
+            self.blocks.free(table)  # a fork's shared refs
+            return False
+        seq.block_table = table
+        seq.fork_of = None
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+        self._attach_draft_prefix(seq)
+        return True
+
+    def _attach_draft_prefix(self, seq: Sequence) -> None:
+        """A prefix-cache hit in the draft's pool skips the draft's prefill of those tokens too."""
+        if self.draft_blocks is None or seq.draft_table.blocks:
+            return
+        hit = self.draft_blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=seq.num_tokens - 1)
+        if hit and self.draft_blocks.allocate(seq.draft_table, len(hit) * self.draft_blocks.block_size, hit):
+            seq.num_draft_computed_tokens = len(hit) * self.draft_blocks.block_size
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free ``seq``'s blocks and requeue it at the front; it recomputes its tokens later."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        if self.draft_blocks is not None:
+            self.draft_blocks.free(seq.draft_table)
 
     # -- after the step -------------------------------------------------------------------------
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Name the blocks this step filled (target and draft), so later requests hit them."""
+        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        if self.draft_blocks is not None:
+            self.draft_blocks.cache_full_blocks(seq.draft_table, seq.token_ids, seq.num_draft_computed_tokens)
+
     def finish(self, seq: Sequence, status: SequenceStatus, reason: str) -> None:
-        """Mark ``seq`` finished wherever it is; a running sequence's slot is released at once
-        (the resulting move is applied before the next forward)."""
+        """Mark ``seq`` finished wherever it is and release its blocks at once. Blocks keep their
+        KV (and names) until reused, so nothing is ever moved or copied on the way out."""
         if not seq.is_finished:
             seq.finish(status, reason)
-        if seq.slot is not None:
-            move = self.slots.free(seq)
-            if move is not None:
-                self._pending_moves.append(move)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def take_pending_moves(self) -> list[SlotMove]:
-        """KV copies owed since the last call, in order. Apply them before the next ``schedule()``:
-        a new sequence may be admitted into a slot that is the source of a pending move."""
-        moves, self._pending_moves = self._pending_moves, []
-        return moves
+        self._free(seq)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from tiers.block_manager import BlockTable
+
 if TYPE_CHECKING:
     from tiers.constraint import TokenConstraint
 
@@ -76,7 +78,8 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs. 0..20: return each sampled token's logprob plus this many top alternatives."""
     constraint: TokenConstraint | None = None
-    """A grammar matcher (structured outputs, tool calls): masks each step's logits; see ``tiers/constraint.py``."""
+    """A grammar matcher (structured outputs, tool calls) that masks each step's logits
+    (``tiers/constraint.py``)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -152,7 +155,15 @@ class Sequence:
     """Tokens whose KV is in the draft model's cache (speculative tiers only)."""
     num_cached_tokens: int = 0
     """Prompt tokens taken from the prefix cache instead of computed."""
-    slot: int | None = None
+    cache_salt: str = ""
+    """Prefix-cache partition (the tenant): blocks are only shared within one."""
+    block_table: BlockTable = field(default_factory=BlockTable)
+    """The target's KV blocks."""
+    draft_table: BlockTable = field(default_factory=BlockTable)
+    """The draft model's KV blocks, in the draft tier's pool (speculative tiers)."""
+    fork_of: Sequence | None = None
+    """``n > 1``: the branch whose prompt blocks this one shares once they are computed."""
+    num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -185,6 +196,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True until the whole prompt is in the cache (the first token is sampled at that step)."""
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Exactly the last sampled token is not in the cache yet: one forward gives the next."""
+        return self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def is_finished(self) -> bool:

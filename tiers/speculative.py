@@ -9,44 +9,53 @@ argmax agrees".
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from tiers.sampling import sample_rows
-
-__all__ = ["SpecController", "accept_draft"]
+__all__ = ["SpecController", "accept_batch"]
 
 
-def accept_draft(
-    draft_tokens: list[int],
+def accept_batch(
+    draft_tokens: torch.Tensor,
+    num_drafted: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> list[int]:
-    """Return the tokens to append: the accepted prefix of ``draft_tokens`` plus one more.
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule over R rows at once (padded to K drafts each).
 
-    draft_probs:  [k, V]   p_i, the distribution draft token i was drawn from
-    target_probs: [k+1, V] q_i, the target's distribution at the same positions (+ the bonus one)
+    draft_tokens: [R, K] long   x_j, drafted tokens (padding anywhere past num_drafted)
+    num_drafted:  [R]    long   k_r <= K
+    draft_probs:  [R, K, V]     p_j, the distribution x_j was drawn from
+    target_probs: [R, K+1, V]   q_j, the target's at the same positions (+ the bonus one)
+    uniform:      [R, K]        u_j ~ U[0, 1)
+
+    Returns ``(num_accepted [R], next_dist [R, V])``: x_0..x_{a-1} are kept, and the row's next
+    token is drawn from ``next_dist`` - the residual ``norm(max(0, q_a - p_a))`` after a
+    rejection, which restores the target's law (Leviathan et al. 2023), or ``q_k`` (a free bonus
+    token) when every draft was accepted. For greedy rows both laws are one-hot, and this reduces to
+    "accept while the target's argmax agrees, then take its argmax".
     """
-    out: list[int] = []
-    for i, x in enumerate(draft_tokens):
-        q, p = float(target_probs[i, x]), float(draft_probs[i, x])
-        # q >= p: always accept; otherwise accept with probability q/p.
-        u = float(torch.rand((), generator=generator))
-        if p > 0.0 and u * p <= q and q > 0.0:
-            out.append(x)
-            continue
-        # Rejected: draw from the residual norm(max(0, q - p)), which restores the target's law.
-        residual = (target_probs[i] - draft_probs[i]).clamp(min=0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0.0 else target_probs[i]
-        out.append(int(sample_rows(dist[None], generator)[0]))
-        return out
-    # Every draft accepted: the target's distribution after them gives a free extra token.
-    out.append(int(sample_rows(target_probs[len(draft_tokens)][None], generator)[0]))
-    return out
+    r, k = draft_tokens.shape
+    q_x = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # [R, K]
+    p_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    # q >= p: always accept; otherwise accept with probability q/p.
+    ok = (uniform * p_x <= q_x) & (p_x > 0) & (q_x > 0)
+    ok &= torch.arange(k)[None, :] < num_drafted[:, None]
+    # Accepted = length of the leading run of True.
+    num_accepted = torch.cumprod(ok.to(torch.long), dim=1).sum(dim=1)  # [R]
+    rows = torch.arange(r)
+    at = num_accepted.clamp(max=k - 1) if k else num_accepted
+    q_a = target_probs[rows, num_accepted]  # [R, V]
+    if k:
+        residual = (q_a - draft_probs[rows, at]).clamp(min=0.0)
+        total = residual.sum(dim=-1, keepdim=True)
+        rejected = (num_accepted < num_drafted)[:, None] & (total > 0)
+        next_dist = torch.where(rejected, residual / total.clamp(min=1e-30), q_a)
+    else:
+        next_dist = q_a
+    return num_accepted, next_dist
 
 
 SPEC_MARGIN = 1.1
@@ -55,17 +64,13 @@ SPEC_RESUME_MARGIN = 1.25
 """Start (or resume) speculating only above this: the draft first catches up on its backlog."""
 
 
-def _bucket(batch_size: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
-
-
 @dataclass(slots=True)
 class SpecController:
     """Chooses k per step to maximise expected tokens per second, k = 0 included.
 
     Expected tokens from one round with acceptance rate a: ``(1 - a**(k+1)) / (1 - a)``.
     Its cost: k draft forwards plus one target forward over k+1 tokens, at this batch size.
-    Costs are moving averages of measured step times keyed by (batch bucket, tokens); acceptance
+    Costs are moving averages of measured step times keyed by (batch size, tokens); acceptance
     is a moving average of accepted/drafted. Because the choice compares against k = 0 with costs
     measured on this machine, speculation switches itself off where it would not pay (large
     batches on a CPU, where a step is compute-bound and k+1 tokens cost k+1 times one).
@@ -82,26 +87,39 @@ class SpecController:
     fixed_k: int | None = None
     """Pin k (benchmarks and tests); None lets the cost model choose."""
 
-    def _cost(self, table: dict[tuple[int, int], float], bucket: int, tokens: int) -> float | None:
-        if (bucket, tokens) in table:
-            return table[(bucket, tokens)]
-        # Interpolate linearly in tokens between measured points at this bucket.
-        known = sorted((t, c) for (b, t), c in table.items() if b == bucket)
-        if not known:
+    @staticmethod
+    def _interp(points: list[tuple[int, float]], x: int) -> float:
+        """Piecewise-linear through ``points`` (sorted by x), extrapolated from the end segments."""
+        if len(points) == 1:
+            x0, y0 = points[0]
+            return y0 * x / x0 if x0 else y0
+        if x <= points[0][0]:
+            (x0, y0), (x1, y1) = points[0], points[1]
+        elif x >= points[-1][0]:
+            (x0, y0), (x1, y1) = points[-2], points[-1]
+        else:
+            (x0, y0), (x1, y1) = next((a, b) for a, b in itertools.pairwise(points) if a[0] <= x <= b[0])
+        y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y0
+        return max(y, 1e-9)
+
+    def _cost(self, table: dict[tuple[int, int], float], batch: int, tokens: int) -> float | None:
+        """Seconds of a forward over ``batch`` rows x ``tokens`` each, from measured points:
+        interpolated in tokens at each measured batch size, then across batch sizes, so every
+        batch size gets an estimate once any two are measured (none is left 'unprofiled')."""
+        if (batch, tokens) in table:
+            return table[(batch, tokens)]
+        batches = sorted({b for b, _ in table})
+        if not batches:
             return None
-        if tokens <= known[0][0]:
-            return known[0][1]
-        for (t0, c0), (t1, c1) in itertools.pairwise(known):
-            if t0 <= tokens <= t1:
-                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
-        (t0, c0), (t1, c1) = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])
-        slope = (c1 - c0) / (t1 - t0) if t1 != t0 else c0 / max(t0, 1)
-        return c1 + slope * (tokens - t1)
+        per_batch = []
+        for b in batches:
+            pts = sorted((t, c) for (bb, t), c in table.items() if bb == b)
+            per_batch.append((b, self._interp(pts, tokens)))
+        return self._interp(per_batch, batch)
 
     def expected_rate(self, k: int, batch_size: int, acceptance: float | None = None) -> float | None:
-        b = _bucket(batch_size)
-        target = self._cost(self.target_cost, b, k + 1)
-        draft = self._cost(self.draft_cost, b, 1) if k else 0.0
+        target = self._cost(self.target_cost, batch_size, k + 1)
+        draft = self._cost(self.draft_cost, batch_size, 1) if k else 0.0
         if target is None or draft is None:
             return None
         a = min(self.acceptance if acceptance is None else acceptance, 0.999)
@@ -142,10 +160,10 @@ class SpecController:
         return best
 
     def record_target(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self._record(self.target_cost, (_bucket(batch_size), tokens), seconds)
+        self._record(self.target_cost, (batch_size, tokens), seconds)
 
     def record_draft(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self._record(self.draft_cost, (_bucket(batch_size), tokens), seconds)
+        self._record(self.draft_cost, (batch_size, tokens), seconds)
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         if drafted:

@@ -221,11 +221,20 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             ("max_model_len", 16),
             ("max_num_batched_tokens", 16),
             ("speculative_tokens", 0),
-            ("prefix_cache_tokens", 0),
+            ("kv_cache_tokens", 16),
             ("max_retries", 0),
         ):
             if getattr(tier, fname) < minimum:
                 ctx.error((*p, fname), f"must be >= {minimum}, got {getattr(tier, fname)}")
+        if tier.block_size not in (8, 16, 32, 64, 128):
+            ctx.error((*p, "block_size"), f"must be 8, 16, 32, 64 or 128, got {tier.block_size}")
+        if tier.kv_cache_memory is not None:
+            from tiers.plan import parse_memory
+
+            try:
+                parse_memory(tier.kv_cache_memory, device_total=1)
+            except ValueError as exc:
+                ctx.error((*p, "kv_cache_memory"), str(exc))
         if tier.quant_group_size not in (32, 64, 128):
             ctx.error((*p, "quant_group_size"), f"must be 32, 64 or 128, got {tier.quant_group_size}")
         if tier.speculative_tokens > 16:

@@ -54,7 +54,7 @@ class TierConfig:
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``..."""
     max_num_seqs: int = 16
-    """Sequences decoded together (KV slots)."""
+    """Sequences decoded together (bounds the batch; memory is bounded by the KV budget)."""
     max_queue: int = 64
     """Requests allowed to wait for a slot; beyond it the fallback applies, else 429."""
     max_model_len: int = 2048
@@ -65,8 +65,17 @@ class TierConfig:
     """Tier whose model drafts speculative tokens for this one (usually the tier below); null = off."""
     speculative_tokens: int = 4
     """Most tokens drafted per step; the engine picks 0..this each step by measured cost."""
-    prefix_cache_tokens: int = 16384
-    """KV tokens kept for shared prompt prefixes (0 = off)."""
+    kv_cache_memory: str | None = None
+    """KV budget of this tier's block pool: a size (``512MiB``, ``2GiB``) or a fraction of the
+    device's memory (``0.25``). Unset: ``kv_cache_tokens``. The pool holds this tier's sequences,
+    its prefix cache (free blocks that keep their KV) and the drafts of the tier above, which
+    drafts with this tier's model."""
+    kv_cache_tokens: int = 16384
+    """KV budget in tokens, used when ``kv_cache_memory`` is not set."""
+    block_size: int = 16
+    """Tokens per KV block (the unit of allocation and of prefix sharing)."""
+    prefix_caching: bool = True
+    """Keep full blocks findable by their prefix after their sequence ends (cross-request reuse)."""
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     served_model_name: str | None = None
     """Remote tiers: the ``model`` value sent upstream (default: the tier name)."""

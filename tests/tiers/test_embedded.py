@@ -38,10 +38,10 @@ def build(
         draft_runner = None
         if draft is not None:
             d = load_model("embedded:smollm2-135m-instruct", quantization=draft)  # type: ignore[arg-type]
-            draft_runner = ModelRunner(d, num_slots=16, max_model_len=512)
+            draft_runner = ModelRunner(d, num_blocks=512, block_size=16, max_model_len=512)
         eng = Engine(
             f"real-{quantization}",
-            ModelRunner(target, num_slots=16, max_model_len=512),
+            ModelRunner(target, num_blocks=512, block_size=16, max_model_len=512),
             SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256),
             draft_runner=draft_runner,
             speculative_tokens=4 if draft else 0,
@@ -101,6 +101,33 @@ async def test_batch_of_16_equals_alone_on_the_real_model(large: Engine) -> None
     alone = [await run(large, p, n) for p, n in zip(ids, lengths, strict=True)]
     together = await asyncio.gather(*(run(large, p, n) for p, n in zip(ids, lengths, strict=True)))
     assert [t[0] for t in together] == [a[0] for a in alone]
+
+
+async def test_prefix_hits_and_drafts_keep_greedy_output(large: Engine) -> None:
+    """A shared system prompt: later requests hit the prefix cache (target and draft pools) and
+    still produce exactly the cold run's tokens, drafting or not."""
+    system = "You are a careful assistant. " * 12
+
+    def chat(q: str) -> list[int]:
+        out = large.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    cold = await run(large, chat(QUESTIONS[0]), 16)
+    large.spec.fixed_k = 4
+    try:
+        warm = await asyncio.gather(*(run(large, chat(q), 16) for q in QUESTIONS[:4]))
+    finally:
+        large.spec.fixed_k = None
+    assert warm[0][0] == cold[0]
+    a, b = chat(QUESTIONS[0]), chat(QUESTIONS[1])
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert shared >= 64
+    assert all(w[2].num_cached_tokens == shared // 16 * 16 for w in warm)
+    assert sum(w[2].num_draft_tokens for w in warm) > 0
 
 
 async def test_drafting_is_lossless_on_the_real_model(

@@ -78,7 +78,7 @@ async def test_cancel_frees_the_slot_within_a_step(engine: Engine) -> None:
         if engine.load().num_running == 0:
             break
         await asyncio.sleep(0.01)
-    assert engine.load().num_running == 0 and engine.scheduler.slots.num_used == 0
+    assert engine.load().num_running == 0 and engine.runner.blocks.num_used_blocks == 0
     assert engine.num_steps - steps_before <= 2
 
 
@@ -186,7 +186,7 @@ async def test_generation_stops_at_the_context_end(engine: Engine) -> None:
 
 
 async def test_prefix_cache_reuse_gives_identical_output(worker: DeviceWorker, tiny_model_dir: Path) -> None:
-    eng = make_engine(worker, tiny_model_dir, prefix_cache_tokens=1024, name="prefix")
+    eng = make_engine(worker, tiny_model_dir, prefix_caching=True, name="prefix")
     assert isinstance(eng, Engine)
     system = prompts(1, seed=9)[0] * 2
     first = await collect(eng, [*system, 7, 8, 9], greedy(10))

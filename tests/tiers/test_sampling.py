@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiers.sampling import apply_penalties, probs_from_logits, sample_rows
+from tiers.sampling import apply_logit_bias, apply_penalties, draw, probs_batch
 from tiers.sequence import SamplingParams
 
 
@@ -29,25 +29,59 @@ def test_no_penalties_returns_the_same_tensor() -> None:
 
 
 def test_top_k_keeps_k_tokens() -> None:
-    probs = probs_from_logits(torch.tensor([[1.0, 4.0, 3.0, 2.0]]), SamplingParams(temperature=1.0, top_k=2))
+    probs = probs_batch(torch.tensor([[1.0, 4.0, 3.0, 2.0]]), [SamplingParams(temperature=1.0, top_k=2)])
     assert (probs[0] > 0).tolist() == [False, True, True, False]
     assert torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    probs = probs_batch(logits, [SamplingParams(temperature=1.0, top_p=0.8)])
     assert (probs[0] > 0).tolist() == [True, True, False, False]
-    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    probs = probs_batch(logits, [SamplingParams(temperature=1.0, top_p=0.81)])
     assert (probs[0] > 0).tolist() == [True, True, True, False]
 
 
 def test_greedy_is_a_one_hot_at_the_argmax() -> None:
-    probs = probs_from_logits(torch.tensor([[0.1, 0.9, 0.3]]), SamplingParams(temperature=0.0))
+    probs = probs_batch(torch.tensor([[0.1, 0.9, 0.3]]), [SamplingParams(temperature=0.0)])
     assert probs[0].tolist() == [0.0, 1.0, 0.0]
 
 
-def test_seeded_draws_repeat() -> None:
-    p = torch.full((1, 50), 1 / 50)
-    a = [int(sample_rows(p, torch.Generator().manual_seed(7))[0]) for _ in range(3)]
-    assert len(set(a)) == 1
+def test_seeded_draws_repeat_whatever_shares_the_batch() -> None:
+    p = torch.full((3, 50), 1 / 50)
+    shared = torch.Generator().manual_seed(1)
+    a = [int(draw(p, [None, torch.Generator().manual_seed(7), None], shared)[1]) for _ in range(3)]
+    b = int(draw(p[:1], [torch.Generator().manual_seed(7)], shared)[0])
+    assert len(set(a)) == 1 and a[0] == b
+
+
+def test_each_row_keeps_its_own_parameters_in_one_batch() -> None:
+    """Vectorised processing: a greedy row, a top-k row, a top-p row and a min-p row side by side
+    give what each gives alone."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.5),
+    ]
+    together = probs_batch(logits, params)
+    for i, p in enumerate(params):
+        assert torch.allclose(together[i], probs_batch(logits[i : i + 1], [p])[0])
+    assert (together[3] > 0).tolist() == [True, True, False, False]  # 0.15 < 0.5 * 0.5
+
+
+def test_draws_follow_the_distribution() -> None:
+    from scipy.stats import chisquare
+
+    p = torch.tensor([[0.6, 0.3, 0.1, 0.0]]).repeat(4000, 1)
+    tokens = draw(p, [None] * 4000, torch.Generator().manual_seed(3))
+    counts = torch.bincount(tokens, minlength=4).tolist()
+    assert counts[3] == 0
+    assert chisquare(counts[:3], [2400, 1200, 400]).pvalue > 1e-3
+
+
+def test_logit_bias_adds_to_the_named_tokens_only() -> None:
+    logits = torch.zeros(2, 5)
+    apply_logit_bias(logits, ((1, 100.0), (3, -100.0), (99, 5.0)))
+    assert logits[0].tolist() == [0.0, 100.0, 0.0, -100.0, 0.0] and logits[1].tolist() == logits[0].tolist()

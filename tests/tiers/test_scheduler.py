@@ -1,161 +1,174 @@
-"""The scheduler alone: requests from tiny factories, assertions on its output, no model."""
+"""The scheduler without a model: one token budget, admission, prefix hits, preemption, drafts, forks."""
 
 from __future__ import annotations
 
 import pytest
 
-from tiers.scheduler import Scheduler, SchedulerConfig, SlotTable
-from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tiers.block_manager import BlockManager
+from tiers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tiers.sequence import SamplingParams, Sequence, SequenceStatus
 
 
-def seq(n_prompt: int = 4, max_tokens: int = 8) -> Sequence:
-    return Sequence(list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
+def seq(n: int, start: int = 1, **kw: object) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=64), **kw)  # type: ignore[arg-type]
 
 
-def run_prefill(sched: Scheduler, batch_seqs: list[Sequence], chunks: list[int]) -> None:
-    """What the engine does after a prefill step: advance, and sample a token where the prompt completed."""
-    for s, n in zip(batch_seqs, chunks, strict=True):
+def run(sched: Scheduler, batch: ScheduledBatch, sampled: int = 7) -> None:
+    """What the engine does after a forward: advance, name blocks, append a token where one is due."""
+    for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         s.num_computed_tokens += n
-        if not s.is_prefilling:
-            s.token_ids.append(0)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(sampled)
+        sched.cache_blocks(s)
 
 
-def run_decode(batch_seqs: list[Sequence]) -> None:
-    for s in batch_seqs:
-        s.num_computed_tokens = s.num_tokens
-        s.token_ids.append(0)
+def make(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size))
 
 
-def test_admits_up_to_max_num_seqs_and_queues_the_rest() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_waiting=4))
-    seqs = [seq() for _ in range(3)]
-    for s in seqs:
-        sched.add(s)
-    batch = sched.schedule()
-    assert batch is not None and batch.kind == "prefill"
-    assert batch.seqs == seqs[:2]
-    assert [s.slot for s in seqs[:2]] == [0, 1]
-    assert sched.num_waiting == 1 and seqs[2].status == SequenceStatus.WAITING
-
-
-def test_long_prompt_is_chunked_under_the_token_budget() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
-    long = seq(n_prompt=40)
-    sched.add(long)
-    chunks = []
-    while long.is_prefilling:
-        batch = sched.schedule()
-        assert batch is not None and batch.kind == "prefill"
-        chunks.append(batch.num_new_tokens[0])
-        run_prefill(sched, batch.seqs, batch.num_new_tokens)
-    assert chunks == [16, 16, 8]
-
-
-def test_padded_prefill_budget_limits_rows() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
-    for n in (10, 10, 10, 10):
-        sched.add(seq(n_prompt=n))
-    batch = sched.schedule()
-    assert batch is not None
-    # 3 rows x 10 padded tokens fit in 32; a 4th would need 40.
-    assert batch.num_seqs == 3
-
-
-def test_prefill_and_decode_alternate_so_decodes_never_stall() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8))
-    first = seq(n_prompt=4)
-    sched.add(first)
-    batch = sched.schedule()
-    assert batch is not None
-    run_prefill(sched, batch.seqs, batch.num_new_tokens)
-    sched.add(seq(n_prompt=30))  # a long prompt arrives while `first` decodes
-    kinds = []
-    for _ in range(6):
-        batch = sched.schedule()
-        assert batch is not None
-        kinds.append(batch.kind)
-        if batch.kind == "prefill":
-            run_prefill(sched, batch.seqs, batch.num_new_tokens)
-        else:
-            assert first in batch.seqs
-            run_decode(batch.seqs)
-    assert kinds == ["decode", "prefill", "decode", "prefill", "decode", "prefill"]
-
-
-def test_decode_batch_feeds_one_token_per_sequence() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
-    seqs = [seq(n_prompt=3), seq(n_prompt=5)]
-    for s in seqs:
-        sched.add(s)
-    batch = sched.schedule()
-    assert batch is not None
-    run_prefill(sched, batch.seqs, batch.num_new_tokens)
-    batch = sched.schedule()
-    assert batch is not None and batch.kind == "decode"
-    assert batch.num_new_tokens == [1, 1]
-
-
-def test_finish_frees_the_slot_at_once_and_keeps_slots_dense() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64))
-    a, b, c = seq(), seq(), seq()
-    for s in (a, b, c):
-        sched.add(s)
-    sched.schedule()
-    assert (a.slot, b.slot, c.slot) == (0, 1, 2)
-    sched.finish(a, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
-    assert a.slot is None and a.is_finished
-    assert c.slot == 0 and b.slot == 1  # the last owner moved into the hole
-    assert sched.slots.num_free == 1
-    assert sched.take_pending_moves() == [(2, 0, c)]
-    assert sched.take_pending_moves() == []
-    d = seq()
-    sched.add(d)
-    batch = sched.schedule()
-    assert batch is not None
-    assert d.slot == 2 and d in batch.admitted
-
-
-def test_abort_while_waiting_removes_it() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1))
-    a, b = seq(), seq()
+def test_decodes_and_a_prefill_chunk_share_one_step_under_the_budget() -> None:
+    sched = make(max_num_batched_tokens=16)
+    a, b = seq(6), seq(6, start=50)
     sched.add(a)
     sched.add(b)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    long = seq(40, start=100)
+    sched.add(long)
+    batch = sched.schedule()
+    assert batch is not None
+    assert batch.seqs == [a, b, long] and batch.num_new_tokens == [1, 1, 14]
+    assert batch.kind == "mixed" and batch.num_tokens == 16
+
+
+def test_a_long_prompt_progresses_in_budget_sized_chunks() -> None:
+    sched = make(max_num_batched_tokens=8)
+    s = seq(20)
+    sched.add(s)
+    chunks = []
+    while s.num_computed_tokens < 20:
+        batch = sched.schedule()
+        assert batch is not None
+        chunks.append(batch.num_new_tokens[0])
+        run(sched, batch)
+    assert chunks == [8, 8, 4]
+
+
+def test_batch_size_is_bounded_by_max_num_seqs() -> None:
+    sched = make(max_num_seqs=2)
+    for i in range(3):
+        sched.add(seq(3, start=10 * i + 1))
+    batch = sched.schedule()
+    assert batch is not None and batch.num_seqs == 2 and sched.num_waiting == 1
+
+
+def test_prefix_hit_starts_after_the_cached_blocks_and_leaves_one_token() -> None:
+    sched = make()
+    first = seq(12)
+    sched.add(first)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    same = seq(12)
+    sched.add(same)
+    batch = sched.schedule()
+    assert batch is not None
+    i = batch.seqs.index(same)
+    # 12 tokens = 3 full blocks, but the last token must be computed: 2 blocks hit, 4 tokens fed.
+    assert same.num_cached_tokens == 8 and batch.num_new_tokens[i] == 4
+    assert same.block_table.blocks[:2] == first.block_table.blocks[:2]
+
+
+def test_out_of_blocks_preempts_the_newest_and_requeues_it_first() -> None:
+    sched = make(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    old, new = seq(11), seq(11, start=30)  # 3 blocks each: the pool is full
+    sched.add(old)
+    sched.add(new)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    run(sched, sched.schedule())  # type: ignore[arg-type]  # 13 tokens: both need a 4th block
+    batch = sched.schedule()
+    assert batch is not None
+    assert batch.preempted == [new] and batch.seqs == [old]
+    assert new.status == SequenceStatus.WAITING and sched.waiting[0] is new
+    assert new.num_computed_tokens == 0 and new.num_output_tokens == 2  # keeps its tokens
+    sched.finish(old, SequenceStatus.FINISHED_STOPPED, "stop")
+    again = sched.schedule()
+    assert again is not None and again.seqs == [new]
+    assert new.num_computed_tokens > 0  # its freed blocks were still named: recompute skipped them
+
+
+def test_a_sequence_alone_is_never_preempted_by_itself_while_it_fits() -> None:
+    sched = make(num_blocks=4, block_size=4, max_model_len=16, max_num_batched_tokens=64)
+    s = seq(10)
+    sched.add(s)
+    for _ in range(5):
+        batch = sched.schedule()
+        assert batch is not None and not batch.preempted
+        run(sched, batch)
+    assert s.num_tokens == 15
+
+
+def test_finish_frees_blocks_at_once() -> None:
+    sched = make(num_blocks=8)
+    s = seq(9)
+    sched.add(s)
     sched.schedule()
-    sched.finish(b, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
-    assert sched.num_waiting == 0 and b.finish_reason == "abort"
+    assert sched.blocks.num_used_blocks == 3
+    sched.finish(s, SequenceStatus.FINISHED_ABORTED, "abort")
+    assert sched.blocks.num_used_blocks == 0 and not sched.has_work()
 
 
-def test_can_accept_is_bounded_by_free_slots_plus_queue() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_waiting=1))
-    accepted = 0
-    while sched.can_accept():
-        sched.add(seq())
-        accepted += 1
-    assert accepted == 3
+def test_speculative_tokens_count_against_the_budget_and_need_blocks() -> None:
+    draft = BlockManager(64, 4)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16), BlockManager(64, 4), draft, spec_budget=lambda s: 3
+    )
+    a = seq(5)
+    sched.add(a)
+    first = sched.schedule()
+    assert first is not None and first.num_spec_tokens == [0]
+    assert first.num_draft_tokens == [4]  # the draft prefills alongside, up to the last token
+    run(sched, first)
+    a.num_draft_computed_tokens = 4
+    batch = sched.schedule()
+    assert batch is not None
+    assert batch.num_new_tokens == [1] and batch.num_spec_tokens == [3]
+    assert batch.num_draft_tokens == [2]  # its backlog: tokens 4 and 5
+    assert a.block_table.num_blocks == 3  # 6 computed + 3 lookahead = 9 tokens -> 3 blocks
+    assert a.draft_table.num_blocks == 2  # 4 + 2 fed + 2 proposals fed = 8 tokens
 
 
-def test_nothing_to_do_returns_none() -> None:
-    assert Scheduler(SchedulerConfig()).schedule() is None
+def test_a_draft_out_of_blocks_just_does_not_speculate() -> None:
+    draft = BlockManager(1, 4)
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), draft, spec_budget=lambda s: 3)
+    a = seq(9)
+    sched.add(a)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    batch = sched.schedule()
+    assert batch is not None and batch.num_spec_tokens == [0] and not batch.preempted
 
 
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_slot_table_allocate_free_roundtrip(n: int) -> None:
-    table = SlotTable(n)
-    seqs = [seq() for _ in range(n)]
-    assert all(table.allocate(s) for s in seqs)
-    assert not table.allocate(seq())
-    for s in reversed(seqs):
-        table.free(s)
-    assert table.num_free == n
+def test_n_branches_wait_for_the_first_and_fork_its_blocks() -> None:
+    sched = make(block_size=4)
+    leader = seq(10)
+    child = seq(10, fork_of=leader)
+    sched.add(leader)
+    sched.add(child)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs == [leader]
+    run(sched, batch)
+    batch = sched.schedule()
+    assert batch is not None and child in batch.seqs
+    assert child.block_table.blocks[:2] == leader.block_table.blocks[:2]
+    assert child.num_computed_tokens == 8 and batch.num_new_tokens[batch.seqs.index(child)] == 2
 
 
-def test_config_errors_name_the_field() -> None:
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        SchedulerConfig(max_num_seqs=0)
+def test_aborted_waiting_sequences_are_skipped() -> None:
+    sched = make()
+    s = seq(3)
+    sched.add(s)
+    sched.finish(s, SequenceStatus.FINISHED_ABORTED, "abort")
+    assert sched.schedule() is None
 
 
-def test_sampling_params_errors_name_the_field() -> None:
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=float("nan"))
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+def test_config_names_the_bad_field(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: 0})

@@ -14,7 +14,7 @@ from tests.tiers.test_engine import collect, greedy, prompts
 from tiers.device import DeviceWorker
 from tiers.engine import Engine
 from tiers.sequence import SamplingParams
-from tiers.speculative import SpecController, accept_draft
+from tiers.speculative import SpecController, accept_batch
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,17 @@ def spec(worker: DeviceWorker, tiny_model_dir: Path) -> Engine:
 
 
 async def test_greedy_with_draft_equals_greedy_without(plain: Engine, spec: Engine) -> None:
+    # Mixed lengths: rows leave mid-flight, and k is capped per row by its remaining tokens.
     ps = prompts(12, seed=11)
     lengths = [5 + 3 * (i % 5) for i in range(12)]
     want = await asyncio.gather(*(collect(plain, p, greedy(n)) for p, n in zip(ps, lengths, strict=True)))
-    got = await asyncio.gather(*(collect(spec, p, greedy(n)) for p, n in zip(ps, lengths, strict=True)))
-    assert [g[0] for g in got] == [w[0] for w in want]  # whatever k the controller picked
+    spec.spec.fixed_k = 4
+    try:
+        got = await asyncio.gather(*(collect(spec, p, greedy(n)) for p, n in zip(ps, lengths, strict=True)))
+    finally:
+        spec.spec.fixed_k = None
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert sum(g[3].num_draft_tokens for g in got) > 0  # drafting happened
 
 
 async def test_forced_speculation_every_step_is_still_exact(plain: Engine, spec: Engine) -> None:
@@ -52,61 +58,110 @@ async def test_forced_speculation_every_step_is_still_exact(plain: Engine, spec:
     assert drafted > 0 and 0 < accepted <= drafted
 
 
-def test_accept_draft_preserves_the_target_distribution() -> None:
-    """Empirical law of the first emitted token equals q, whatever p drafted it."""
+def _accept_one(draft: list[int], p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """One row through the batched rule, then the next token drawn from its law."""
+    k = len(draft)
+    num, dist = accept_batch(
+        torch.tensor([draft]), torch.tensor([k]), p[None], q[None], torch.rand((1, k), generator=gen)
+    )
+    a = int(num[0])
+    return [*draft[:a], int(torch.multinomial(dist[0], 1, generator=gen))]
+
+
+def test_accept_batch_preserves_the_target_distribution() -> None:
+    """Empirical law of the first emitted token equals q, whatever p drafted it (chi-square)."""
+    from scipy.stats import chisquare
+
     gen = torch.Generator().manual_seed(0)
     q = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])  # target at positions 0, 1
     p = torch.tensor([[0.1, 0.6, 0.1, 0.2]])  # the draft's law at position 0
     counts: Counter[int] = Counter()
     n = 20000
+    rejected = 0
     for _ in range(n):
         x = int(torch.multinomial(p[0], 1, generator=gen))
-        out = accept_draft([x], p, q, gen)
+        out = _accept_one([x], p, q, gen)
+        rejected += len(out) == 1
         counts[out[0]] += 1
-        assert 1 <= len(out) <= 2
-    empirical = torch.tensor([counts[i] / n for i in range(4)])
-    assert torch.allclose(empirical, q[0], atol=0.015), empirical
+    assert rejected > n // 4  # the residual path ran
+    observed = [counts[i] for i in range(4)]
+    assert chisquare(observed, (q[0] * n).tolist()).pvalue > 1e-3, observed
 
 
-def test_accept_draft_greedy_case_is_argmax_agreement() -> None:
+def test_accept_batch_greedy_case_is_argmax_agreement() -> None:
     one_hot = lambda i: torch.nn.functional.one_hot(torch.tensor(i), 5).float()  # noqa: E731
-    q = torch.stack([one_hot(2), one_hot(3), one_hot(1)])
-    p = torch.stack([one_hot(2), one_hot(4)])
-    assert accept_draft([2, 4], p, q, None) == [2, 3]  # second draft rejected, target's token instead
-    p_all = torch.stack([one_hot(2), one_hot(3)])
-    assert accept_draft([2, 3], p_all, q, None) == [2, 3, 1]  # all accepted + bonus
+    q = torch.stack([torch.stack([one_hot(2), one_hot(3), one_hot(1)])] * 2)
+    p = torch.stack([torch.stack([one_hot(2), one_hot(4)]), torch.stack([one_hot(2), one_hot(3)])])
+    num, dist = accept_batch(torch.tensor([[2, 4], [2, 3]]), torch.tensor([2, 2]), p, q, torch.zeros(2, 2))
+    assert num.tolist() == [1, 2]  # row 0: second draft rejected; row 1: all accepted
+    assert dist.argmax(-1).tolist() == [3, 1]  # the target's token instead / the bonus token
 
 
-async def test_sampled_output_distribution_matches_without_draft(plain: Engine, spec: Engine) -> None:
-    """Second-token distribution (the first one produced by a speculative step) with and without a draft."""
+def test_accept_batch_honours_each_rows_own_draft_count() -> None:
+    one_hot = lambda i: torch.nn.functional.one_hot(torch.tensor(i), 5).float()  # noqa: E731
+    q = torch.stack([torch.stack([one_hot(1), one_hot(2), one_hot(3)])] * 2)
+    p = torch.stack([torch.stack([one_hot(1), one_hot(2)])] * 2)
+    num, dist = accept_batch(torch.tensor([[1, 2], [1, 2]]), torch.tensor([2, 1]), p, q, torch.zeros(2, 2))
+    assert num.tolist() == [2, 1]
+    assert dist.argmax(-1).tolist() == [3, 2]  # row 1 drafted one token: its bonus is position 1
+
+
+async def test_sampled_output_follows_the_targets_exact_law(
+    worker: DeviceWorker, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The second output token (the first decided by a speculative step) follows the target's law,
+    computed independently with HF's model, while a *different* model drafts (many rejections)."""
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures import build_tiny_model
+
+    other = build_tiny_model(tmp_path_factory.mktemp("tiny-other"), seed=7)
+    eng = make_engine(worker, tiny_model_dir, draft_dir=other, speculative_tokens=2, name="spec-other")
+    assert isinstance(eng, Engine)
+    eng.spec.fixed_k = 2
     ids = prompts(1, seed=13)[0]
-    spec.spec.fixed_k = 2
-    try:
+    params = SamplingParams(max_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
+    counts: Counter[int] = Counter()
+    drafted = accepted = 0
+    n = 600
+    for start in range(0, n, 50):
+        outs = await asyncio.gather(*(collect(eng, ids, params) for _ in range(start, start + 50)))
+        counts.update(o[0][1] for o in outs)
+        drafted += sum(o[3].num_draft_tokens for o in outs)
+        accepted += sum(o[3].num_accepted_tokens for o in outs)
+    assert drafted > 0 and accepted < drafted  # drafting ran, and the residual path too
+    # Exact law of token 2: sum over token 1 of P(t1) P(t2 | t1), top-4 at temperature 1.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
 
-        async def second_tokens(engine: Engine, n: int) -> Counter[int]:
-            counts: Counter[int] = Counter()
-            for start in range(0, n, 50):  # within the engine's queue bound
-                outs = await asyncio.gather(
-                    *(
-                        collect(
-                            engine,
-                            ids,
-                            SamplingParams(max_tokens=2, temperature=1.0, seed=1000 + i, ignore_eos=True),
-                        )
-                        for i in range(start, min(n, start + 50))
-                    )
-                )
-                counts.update(o[0][1] for o in outs)
-            return counts
+        def top4(seq: list[int]) -> torch.Tensor:
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            kth = torch.topk(logits, 4).values[-1]
+            return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
 
-        n = 400
-        a = await second_tokens(plain, n)
-        b = await second_tokens(spec, n)
-    finally:
-        spec.spec.fixed_k = None
-    support = set(a) | set(b)
-    tv = 0.5 * sum(abs(a[t] / n - b[t] / n) for t in support)
-    assert tv < 0.15, tv
+        first = top4(ids)
+        law = torch.zeros_like(first)
+        for t1 in torch.nonzero(first).flatten().tolist():
+            law += first[t1] * top4([*ids, t1])
+    support = torch.nonzero(law > 0).flatten().tolist()
+    assert set(counts) <= set(support)
+    observed = [counts[t] for t in support]
+    expected = [float(law[t]) * n for t in support]
+    scale = sum(observed) / sum(expected)
+    assert chisquare(observed, [e * scale for e in expected]).pvalue > 1e-3, (observed, expected)
+
+
+def test_controller_covers_batch_sizes_between_profiled_ones() -> None:
+    """Profiled at 8 and 16 only, a batch of 12 must still get a cost estimate and turn
+    speculation off where it does not pay (it used to count as unprofiled and always speculate)."""
+    c = SpecController(max_k=4, acceptance=0.9)
+    for b in (8, 16):
+        c.record_target(b, 1, 0.010 * b)
+        c.record_target(b, 5, 0.040 * b)
+        c.record_draft(b, 1, 0.008 * b)
+    assert c.expected_rate(4, 12) is not None
+    assert c.choose_k(12) == 0
 
 
 def test_controller_turns_speculation_off_when_it_does_not_pay() -> None:
