@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+import torch
+
 from tests.fixtures import make_engine
 from tiers.device import DeviceWorker
 from tiers.engine import Engine, EngineFullError
@@ -197,3 +199,179 @@ async def test_prefix_cache_reuse_gives_identical_output(worker: DeviceWorker, t
     assert first[3].num_cached_tokens == 0
     assert second[3].num_cached_tokens >= len(system) // 4 * 4 - 4
     assert second[0] == cold[0]
+
+
+# -- engine v2: paged KV, preemption, forks, hooks -----------------------------------------------
+
+
+async def test_same_step_finish_and_prefill_store_the_right_kv(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """Regression: with dense slots, a sequence finishing on its first token and another finishing
+    prefill in the same step made the prefix cache map the second prompt to the first one's KV."""
+    eng = make_engine(worker, tiny_model_dir, prefix_caching=True, name="same-step")
+    cold_eng = make_engine(worker, tiny_model_dir, name="same-step-cold")
+    assert isinstance(eng, Engine) and isinstance(cold_eng, Engine)
+    a, b = prompts(2, seed=20)
+    b = b * 3  # several full blocks
+    await asyncio.gather(collect(eng, a, greedy(1)), collect(eng, b, greedy(4)))
+    probe = [*b, 11, 12]
+    warm = await collect(eng, probe, greedy(10))
+    cold = await collect(cold_eng, probe, greedy(10))
+    assert warm[3].num_cached_tokens > 0  # the prefix cache served it...
+    assert warm[0] == cold[0]  # ...with the right KV
+
+
+async def test_survivors_of_an_isolated_error_match_their_solo_runs(engine: Engine) -> None:
+    ps = prompts(4, seed=21)
+    solo = [await collect(engine, p, greedy(8)) for p in ps]
+    poison = ps[1]
+
+    def hook(batch: Any) -> None:
+        if any(s.prompt_token_ids == poison for s in batch.seqs):
+            raise RuntimeError("injected fault")
+
+    engine.step_hook = hook
+    try:
+        results = await asyncio.gather(*(collect(engine, p, greedy(8)) for p in ps))
+    finally:
+        engine.step_hook = None
+    assert results[1][2] == "error"
+    assert [r[0] for i, r in enumerate(results) if i != 1] == [s[0] for i, s in enumerate(solo) if i != 1]
+
+
+async def test_preemption_by_recompute_keeps_every_output_exact(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """A pool far smaller than the batch needs: sequences are preempted and recomputed, none fails,
+    and each output equals its run alone."""
+    eng = make_engine(
+        worker, tiny_model_dir, kv_tokens=320, max_model_len=256, max_num_seqs=8, name="tight", block_size=4
+    )
+    assert isinstance(eng, Engine)
+    ps = prompts(8, seed=22)
+    alone = [await collect(eng, p, greedy(30)) for p in ps]
+    before = eng.scheduler.num_preemptions
+    together = await asyncio.gather(*(collect(eng, p, greedy(30)) for p in ps))
+    assert eng.scheduler.num_preemptions > before
+    assert [t[0] for t in together] == [a[0] for a in alone]
+    assert all(t[2] == "length" for t in together)
+    assert eng.runner.blocks.num_used_blocks == 0
+
+
+async def _collect_handle(handle: Any) -> tuple[list[int], Any]:
+    tokens: list[int] = []
+    last = None
+    async for out in handle:
+        tokens += out.token_ids
+        last = out
+    return tokens, last
+
+
+async def test_n_branches_share_the_prompt_and_sample_independently(engine: Engine) -> None:
+    ids = prompts(1, seed=23)[0] * 2
+    solo = await collect(engine, ids, greedy(10))
+    handles = engine.submit_n(ids, [greedy(10), greedy(10)])
+    outs = await asyncio.gather(*(_collect_handle(h) for h in handles))
+    assert [o[0] for o in outs] == [solo[0], solo[0]]
+    # This engine has no prefix caching: the second branch's reused tokens come from the fork
+    # (every full block of the prompt but the one holding its last token).
+    assert outs[0][1].num_cached_tokens == 0
+    assert outs[1][1].num_cached_tokens == (len(ids) - 1) // 4 * 4
+    sampled = engine.submit_n(
+        ids, [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
+    )
+    a, b = await asyncio.gather(*(_collect_handle(h) for h in sampled))
+    assert a[0] != b[0]  # each branch draws with its own seed
+
+
+class AllowList:
+    """A test constraint: only ``allowed`` tokens, then complete after ``length`` of them."""
+
+    def __init__(self, allowed: list[int], length: int) -> None:
+        self.allowed = allowed
+        self.length = length
+        self.accepted: list[int] = []
+        self.rollbacks = 0
+
+    def fill_mask(self, mask: Any) -> None:
+        mask[self.allowed] = True
+
+    def accept(self, token_id: int) -> bool:
+        if token_id not in self.allowed or self.is_terminated:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.rollbacks += 1
+        del self.accepted[len(self.accepted) - num_tokens :]
+
+    @property
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+async def test_constraint_masks_every_token_and_ends_the_sequence(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    eng = make_engine(
+        worker, tiny_model_dir, draft_quantization="int8", speculative_tokens=3, name="constrained"
+    )
+    assert isinstance(eng, Engine)
+    eng.spec.fixed_k = 3
+    try:
+        results = []
+        for temperature in (0.0, 1.0):
+            c = AllowList([40, 41, 42, 43], length=9)
+            params = SamplingParams(max_tokens=50, temperature=temperature, constraint=c)
+            results.append((c, await collect(eng, prompts(1, seed=24)[0], params)))
+    finally:
+        eng.spec.fixed_k = None
+    for c, (tokens, _, reason, last) in results:
+        assert reason == "stop" and tokens == c.accepted and len(tokens) == 9
+        assert set(tokens) <= set(c.allowed)
+        assert last.num_draft_tokens > 0  # drafts were checked against the grammar too
+
+
+async def test_logprobs_match_an_independent_forward(engine: Engine, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = prompts(1, seed=25)[0]
+    tokens: list[int] = []
+    lps: list[Any] = []
+    async for out in engine.submit(
+        ids, SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+    ):
+        tokens += out.token_ids
+        lps += out.logprobs or []
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids + tokens])).logits[0].float(), -1)
+    assert len(lps) == 4
+    for j, lp in enumerate(lps):
+        row = ref[len(ids) - 1 + j]
+        assert lp.token_id == tokens[j] == int(row.argmax())
+        assert abs(lp.logprob - float(row[tokens[j]])) < 1e-3
+        assert [t for t, _ in lp.top] == torch.topk(row, 3).indices.tolist()
+
+
+async def test_logit_bias_forces_a_token(engine: Engine) -> None:
+    tokens, *_ = await collect(
+        engine,
+        prompts(1, seed=26)[0],
+        SamplingParams(max_tokens=5, temperature=0, logit_bias=((77, 100.0),), ignore_eos=True),
+    )
+    assert tokens == [77] * 5
+
+
+async def test_generic_hf_path_gives_the_fast_paths_tokens(
+    worker: DeviceWorker, tiny_model_dir: Path, engine: Engine
+) -> None:
+    """The generic path (HF's own modules over the paged cache) runs, and agrees with the lean one."""
+    generic = make_engine(worker, tiny_model_dir, fast_path=False, name="generic")
+    assert isinstance(generic, Engine) and generic.runner.fast is None and engine.runner.fast is not None
+    ps = prompts(6, seed=27)
+    a = await asyncio.gather(*(collect(generic, p, greedy(12)) for p in ps))
+    b = await asyncio.gather(*(collect(engine, p, greedy(12)) for p in ps))
+    assert [x[0] for x in a] == [y[0] for y in b]
