@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from router.policy.decide import Decision
     from router.policy.schema import Policy
     from router.schemas import ChatCompletionRequest, CompletionRequest
+    from router.structured import OutputSpec
 
 __all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed"]
 
@@ -64,6 +65,8 @@ class Generation:
     include_usage: bool
     last_user: str = ""
     ctx: CallContext | None = None
+    output: OutputSpec | None = None
+    """What the output must be beyond text (format, tools, logprobs, n); see router/structured.py."""
 
 
 _Gen = Generation  # the name other modules used before the split

@@ -14,9 +14,11 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from router.choices import ChoiceBuilder, Merged, aggregate
 from router.errors import RouterError, UnavailableError
 from router.schemas import completion_id, now, usage_body
-from router.sse import SSEStream, chunk, completion_body, object_name, sse_event
+from router.sse import SSEStream, completion_body, object_name, sse_event
+from router.structured import OutputSpec
 from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
@@ -70,12 +72,12 @@ class ResponseWriter:
         tenant = gen.ctx.tenant_label if gen.ctx is not None else "-"
         self.telemetry.count_request(gen.kind, d.tier, d.rule, outcome, tenant)
 
-    async def _first(self, source: AsyncIterator[StepOutput], timeout_s: float) -> StepOutput:
+    async def _first(self, source: Merged, timeout_s: float) -> tuple[int, StepOutput]:
         """The first output, bounded by the queue timeout (waiting for a slot counts)."""
         try:
             return await asyncio.wait_for(anext(source), timeout=timeout_s)
         except TimeoutError:
-            await aclose_quietly(source)
+            await source.aclose()
             raise UnavailableError(
                 "Timed out waiting for capacity; retry shortly.",
                 code="queue_timeout",
@@ -152,54 +154,94 @@ class ResponseWriter:
             last.num_accepted_tokens,
         )
 
+    def _choices(self, gen: Generation) -> list[ChoiceBuilder]:
+        spec = gen.output if gen.output is not None else OutputSpec()
+        return [
+            ChoiceBuilder(i, gen.kind, spec, spec.token_texts, gen.prompt or "")
+            for i in range(max(spec.n, spec.best_of))
+        ]
+
+    def _envelope(
+        self, gen: Generation, cid: str, created: int, model: str, *, stream: bool
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": object_name(gen.kind, chunk=stream),
+            "created": created,
+            "model": model,
+        }
+        spec = gen.output
+        if spec is not None and spec.system_fingerprint:
+            body["system_fingerprint"] = spec.system_fingerprint
+        return body
+
+    @staticmethod
+    def _failure(gen: Generation, choices: list[ChoiceBuilder]) -> StepOutput | None:
+        for c in choices:
+            if c.last is not None and c.last.finish_reason in ("error", "abort"):
+                return c.last
+        return None
+
     async def collect(
         self,
         gen: Generation,
         d: Decision,
-        source: AsyncIterator[StepOutput],
+        source: AsyncIterator[StepOutput] | list[AsyncIterator[StepOutput]],
         span_attrs: dict[str, Any],
         prompt_hint: int,
         *,
         timeout_s: float,
         on_complete: OnComplete | None = None,
     ) -> dict[str, Any]:
+        merged = Merged(source if isinstance(source, list) else [source])
+        choices = self._choices(gen)
         self._enter()
         try:
-            parts: list[str] = []
-            out = await self._first(source, timeout_s)
+            index, out = await self._first(merged, timeout_s)
             while True:
-                parts.append(out.text)
-                if out.finish_reason is not None:
+                if index < len(choices):
+                    choices[index].add(out)
+                failed = self._failure(gen, choices)
+                if failed is not None:
                     break
                 try:
-                    out = await anext(source)
+                    index, out = await anext(merged)
+                except StopAsyncIteration:
+                    break
                 except RemoteError as exc:
                     raise remote_error(exc) from exc
-            text = "".join(parts)
-            if out.finish_reason == "error":
+            failed = self._failure(gen, choices)
+            if failed is not None and failed.finish_reason == "error":
                 self._count(gen, d, "error")
                 raise RouterError(
-                    f"Generation failed: {out.error or 'internal error'}", code="generation_error"
+                    f"Generation failed: {failed.error or 'internal error'}", code="generation_error"
                 )
-            if out.finish_reason == "abort":
+            if failed is not None:
                 self._count(gen, d, "cancelled")
                 raise UnavailableError(
                     "Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S
                 )
-            usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
-            body = completion_body(gen.kind, d.tier, text, out.finish_reason, usage)
-            if on_complete is not None and out.finish_reason == "stop":
+            total = aggregate(choices)
+            text = "".join(c.text for c in choices)
+            usage = self._finish_record(gen, d, total, "ok", span_attrs, prompt_hint, text)
+            kept = _best(gen, choices)
+            body = self._envelope(gen, completion_id(_prefix(gen)), now(), d.tier, stream=False)
+            body["choices"] = [dict(c.body(), index=i) for i, c in enumerate(kept)]
+            body["usage"] = usage
+            spec = gen.output
+            plain = spec is None or spec.is_plain
+            if on_complete is not None and plain and total.finish_reason == "stop":
                 await on_complete(body)
             return body
         finally:
-            await aclose_quietly(source)
+            await merged.aclose()
             self._leave()
 
     async def sse(
         self,
         gen: Generation,
         d: Decision,
-        source: AsyncIterator[StepOutput],
+        source: AsyncIterator[StepOutput] | list[AsyncIterator[StepOutput]],
         span_attrs: dict[str, Any],
         prompt_hint: int,
         *,
@@ -207,36 +249,39 @@ class ResponseWriter:
         on_complete: OnComplete | None = None,
     ) -> AsyncIterator[bytes]:
         # Wait for the first token before the response starts, so a queue timeout is still a 503.
+        merged = Merged(source if isinstance(source, list) else [source])
         self._enter()
         try:
-            first = await self._first(source, timeout_s)
+            first = await self._first(merged, timeout_s)
         except BaseException:
-            await aclose_quietly(source)
+            await merged.aclose()
             self._leave()
             raise
         return SSEStream(
-            self._sse_body(gen, d, source, first, span_attrs, prompt_hint, on_complete), self._leave
+            self._sse_body(gen, d, merged, first, span_attrs, prompt_hint, on_complete), self._leave
         )
 
     async def _sse_body(
         self,
         gen: Generation,
         d: Decision,
-        source: AsyncIterator[StepOutput],
-        first: StepOutput,
+        merged: Merged,
+        first: tuple[int, StepOutput],
         span_attrs: dict[str, Any],
         prompt_hint: int,
         on_complete: OnComplete | None,
     ) -> AsyncGenerator[bytes, None]:
-        cid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
-        created = now()
-        texts: list[str] = []
+        envelope = self._envelope(gen, completion_id(_prefix(gen)), now(), d.tier, stream=True)
+        choices = self._choices(gen)
+
+        def event(items: list[dict[str, Any]]) -> bytes:
+            return sse_event({**envelope, "choices": items})
+
         try:
-            if gen.kind == "chat":
-                yield sse_event(
-                    chunk(gen.kind, cid, created, d.tier, {"role": "assistant", "content": ""}, None)
-                )
-            out = first
+            for c in choices:
+                for item in c.first_items():
+                    yield event([item])
+            index, out = first
             while True:
                 if out.finish_reason == "error":
                     self._count(gen, d, "error")
@@ -245,40 +290,55 @@ class ResponseWriter:
                     )
                     yield sse_event(err.to_body())
                     return
-                if out.text:
-                    texts.append(out.text)
-                    delta = {"content": out.text} if gen.kind == "chat" else out.text
-                    yield sse_event(chunk(gen.kind, cid, created, d.tier, delta, None))
-                if out.finish_reason is not None:
-                    break
+                if out.finish_reason == "abort":
+                    self._count(gen, d, "cancelled")
+                    return
+                if index < len(choices):
+                    c = choices[index]
+                    for item in c.add(out):
+                        yield event([item])
+                    if c.finished:
+                        for item in c.final_items():
+                            yield event([item])
                 try:
-                    out = await anext(source)
+                    index, out = await anext(merged)
+                except StopAsyncIteration:
+                    break
                 except RemoteError as exc:
                     yield sse_event(remote_error(exc).to_body())
                     return
-            if out.finish_reason == "abort":
-                self._count(gen, d, "cancelled")
-                return
-            text = "".join(texts)
-            usage = self._finish_record(gen, d, out, "ok", span_attrs, prompt_hint, text)
-            empty: Any = {} if gen.kind == "chat" else ""
-            yield sse_event(chunk(gen.kind, cid, created, d.tier, empty, out.finish_reason))
+            total = aggregate(choices)
+            text = "".join(c.text for c in choices)
+            usage = self._finish_record(gen, d, total, "ok", span_attrs, prompt_hint, text)
             if gen.include_usage:
-                yield sse_event(
-                    {
-                        "id": cid,
-                        "object": object_name(gen.kind, chunk=True),
-                        "created": created,
-                        "model": d.tier,
-                        "choices": [],
-                        "usage": usage,
-                    }
-                )
+                yield sse_event({**envelope, "choices": [], "usage": usage})
             yield b"data: [DONE]\n\n"
-            if on_complete is not None and out.finish_reason == "stop":
-                await on_complete(completion_body(gen.kind, d.tier, text, out.finish_reason, usage))
+            spec = gen.output
+            if on_complete is not None and (spec is None or spec.is_plain) and total.finish_reason == "stop":
+                body = completion_body(gen.kind, d.tier, text, total.finish_reason, usage)
+                if spec is not None and spec.system_fingerprint:
+                    body["system_fingerprint"] = spec.system_fingerprint
+                await on_complete(body)
         finally:
-            await aclose_quietly(source)  # client gone mid-stream: this aborts the engine request
+            await merged.aclose()  # client gone mid-stream: this aborts the engine requests
+
+
+def _prefix(gen: Generation) -> str:
+    return "chatcmpl" if gen.kind == "chat" else "cmpl"
+
+
+def _best(gen: Generation, choices: list[ChoiceBuilder]) -> list[ChoiceBuilder]:
+    """Completions ``best_of``: the ``n`` choices with the highest mean token logprob, in their
+    original order; otherwise every choice."""
+    spec = gen.output
+    if spec is None or spec.best_of <= spec.n:
+        return choices
+    if any(not c.entries for c in choices):
+        raise RouterError(
+            "best_of needs token logprobs, which this tier did not report.", code="generation_error"
+        )
+    ranked = sorted(choices, key=lambda c: c.mean_logprob, reverse=True)[: spec.n]
+    return sorted(ranked, key=lambda c: c.index)
 
 
 async def aclose_quietly(source: AsyncIterator[StepOutput]) -> None:
@@ -289,8 +349,25 @@ async def aclose_quietly(source: AsyncIterator[StepOutput]) -> None:
 
 
 def remote_error(exc: RemoteError) -> RouterError:
-    if exc.status_code in (503, 504):
-        return UnavailableError(str(exc), code="upstream_unavailable", retry_after=RETRY_AFTER_S)
+    """An upstream failure as the client should see it (see ``tiers.remote``): a 4xx keeps its
+    status, error body and Retry-After; unavailable/timed out is a 503; anything else a 502."""
+    if 400 <= exc.status_code < 500:
+        body = exc.body or {}
+        err = RouterError(
+            str(body.get("message") or exc),
+            param=body.get("param") if isinstance(body.get("param"), str) else None,
+            code=str(body["code"]) if body.get("code") is not None else "upstream_error",
+            retry_after=exc.retry_after
+            if exc.retry_after is not None
+            else (1.0 if exc.status_code == 429 else None),
+        )
+        err.status_code = exc.status_code
+        default_type = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
+        err.error_type = str(body.get("type") or default_type)
+        return err
+    if exc.status_code == 503:
+        retry = exc.retry_after if exc.retry_after is not None else RETRY_AFTER_S
+        return UnavailableError(str(exc), code="upstream_unavailable", retry_after=retry)
     err = RouterError(str(exc), code="upstream_error")
     err.status_code = 502
     return err

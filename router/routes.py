@@ -238,8 +238,12 @@ def _validation_param(exc: ValidationException) -> tuple[str | None, str]:
         if isinstance(item, dict):
             key = item.get("key")
             message = str(item.get("message", exc.detail))
+            m = _BACKTICK.search(message)
+            if m and "unknown field" in message:
+                # The unknown-field policy (router/schemas.py): OpenAI's own message and param.
+                name = m.group(1) if key == "data" else f"{key}.{m.group(1)}"
+                return name, f"Unrecognized request argument supplied: {name}"
             if key == "data":  # "Object missing required field `model`"
-                m = _BACKTICK.search(message)
                 key = m.group(1) if m and "missing required field" in message else None
             return (str(key) if key else None), message
     return None, str(exc.detail)

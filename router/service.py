@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from router.admission import client_deadline_s, rejection, tier_pressures
 from router.backends import LocalTier, RemoteBackend, TierSet
 from router.calls import CachedAnswer, CallContext, Completion, Generation, Routed
 from router.errors import BadRequestError, OverloadedError, RateLimitError, UnavailableError
@@ -24,12 +25,13 @@ from router.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_id,
-    message_text,
     now,
     stop_list,
-    validate_sampling,
+    validate_chat,
+    validate_completion,
 )
 from router.sse import replay
+from router.structured import chat_messages, native_prompt_ids, output_spec
 from tiers.engine import EngineFullError
 from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
@@ -122,7 +124,11 @@ class RouterService:
         self.telemetry.classifier_latency.observe(classify_s)
         with self.telemetry.span("policy.decide", parent=ctx.span) as span:
             prompt_tokens = self._count_tokens(policy, messages, prompt)
-            load = self.tiers.load_map() if self.tiers is not None else {}
+            # Admission: a tier whose queue is full, whose circuit is open or whose predicted
+            # wait exceeds this request's budget counts as full, so the fallback applies.
+            deadline = client_deadline_s(ctx.headers, policy)
+            pressures = tier_pressures(self.tiers, policy, deadline) if self.tiers is not None else {}
+            load = {name: p.refuses for name, p in pressures.items()}
             request = RouteRequest(
                 model=model, headers=ctx.headers, tenant=ctx.tenant, prompt_tokens=prompt_tokens
             )
@@ -132,7 +138,7 @@ class RouterService:
             span.set_attribute("router.reason", decision.reason)
             span.set_attribute("router.policy", policy.digest[:12])
         self.telemetry.route_decisions.labels(decision.tier, decision.rule).inc()
-        return Routed(decision, score, prompt_tokens, classify_s * 1000, policy)
+        return Routed(decision, score, prompt_tokens, classify_s * 1000, policy, pressures, deadline)
 
     def _count_tokens(self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
         """Prompt tokens for the ``prompt_tokens_*`` rules: exact when a rule could turn on it.
@@ -178,14 +184,12 @@ class RouterService:
 
     # -- generation ----------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, ctx: CallContext) -> Completion:
-        validate_sampling(req)
+        validate_chat(req)
         if not req.messages:
             raise BadRequestError("'messages' must contain at least one message.", param="messages")
-        if req.logprobs:
-            raise BadRequestError(
-                "logprobs are not supported by this server.", param="logprobs", code="unsupported_value"
-            )
-        messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+        spec = output_spec(req)
+        # Tools, tool calls and tool results as plain messages (router/tools.py's generic template).
+        messages = chat_messages(req, spec)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         gen = Generation(
             "chat",
@@ -195,11 +199,12 @@ class RouterService:
             bool(req.stream),
             bool(req.stream_options and req.stream_options.include_usage),
             last_user=last_user,
+            output=spec,
         )
         return await self._generate(gen, ctx)
 
     async def complete(self, req: CompletionRequest, ctx: CallContext) -> Completion:
-        validate_sampling(req)
+        validate_completion(req)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
                 raise BadRequestError(
@@ -208,10 +213,6 @@ class RouterService:
             prompt = req.prompt[0]
         else:
             prompt = req.prompt
-        if req.logprobs:
-            raise BadRequestError(
-                "logprobs are not supported by this server.", param="logprobs", code="unsupported_value"
-            )
         gen = Generation(
             "completion",
             req,
@@ -220,6 +221,7 @@ class RouterService:
             bool(req.stream),
             bool(req.stream_options and req.stream_options.include_usage),
             last_user=prompt,
+            output=output_spec(req),
         )
         return await self._generate(gen, ctx)
 
@@ -277,17 +279,15 @@ class RouterService:
             headers["x-router-cache"] = "miss"
         if d.rejected:
             self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)
-            raise OverloadedError(
-                f"Tier '{d.tier}' is at capacity and no fallback tier is free; retry shortly.",
-                retry_after=RETRY_AFTER_S,
-            )
+            raise rejection(d, routed.pressures)
         backend = tiers.tiers.get(d.tier)
         if backend is None:  # a reload renamed tiers while this request was being decided
             raise UnavailableError(
                 f"Tier '{d.tier}' is not loaded yet; retry shortly.", code="tier_loading", retry_after=5.0
             )
+        source: list[AsyncIterator[StepOutput]]
         if isinstance(backend, RemoteBackend):
-            source = self._remote_stream(backend, gen)
+            source = [self._remote_stream(backend, gen)]
             prompt_tokens_hint = routed.prompt_tokens
         else:
             source, prompt_tokens_hint = self._local_stream(backend, gen)
@@ -303,7 +303,10 @@ class RouterService:
             async def on_complete(body: dict[str, Any]) -> None:
                 await cache.store(stored_key, body, d)
 
+        # The first token must come within the queue timeout, and within the client's deadline.
         timeout_s = policy.service.queue_timeout_s
+        if routed.deadline_s is not None:
+            timeout_s = min(timeout_s, routed.deadline_s)
         if gen.stream:
             stream = await self.writer.sse(
                 gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
@@ -349,20 +352,85 @@ class RouterService:
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0,
             ignore_eos=eos_free,
+            min_p=req.min_p or 0.0,
+            logit_bias=self._logit_bias(backend, req.logit_bias),
+            logprobs=self._logprobs(gen),
         )
 
-    def _local_stream(self, backend: LocalTier, gen: Generation) -> tuple[AsyncIterator[StepOutput], int]:
+    @staticmethod
+    def _logit_bias(backend: LocalTier, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        vocab = len(backend.tokenizer)
+        pairs = tuple((int(k), float(v)) for k, v in (bias or {}).items())
+        for token, _ in pairs:
+            if token >= vocab:
+                raise BadRequestError(
+                    f"'logit_bias' names token {token}; tier '{backend.name}' has {vocab} tokens.",
+                    param="logit_bias",
+                )
+        return pairs
+
+    @staticmethod
+    def _logprobs(gen: Generation) -> int | None:
+        spec = gen.output
+        if spec is None:
+            return None
+        if spec.best_of > spec.n:  # choices are ranked by their logprobs
+            return spec.logprobs or 0
+        return spec.logprobs
+
+    def _choice_params(
+        self, backend: LocalTier, gen: Generation, base: SamplingParams
+    ) -> list[SamplingParams]:
+        """One ``SamplingParams`` per generated choice: each its own grammar matcher, and with a
+        ``seed``, its own seed (choice i uses seed + i), so choices differ but replay exactly."""
+        import dataclasses
+
+        from tiers.grammar import GrammarError, compiler_for
+
+        spec = gen.output
+        count = max(spec.n, spec.best_of) if spec is not None else 1
+        params = []
+        for i in range(count):
+            constraint = None
+            if spec is not None and spec.grammar is not None:
+                try:
+                    constraint = compiler_for(backend.tokenizer).constraint(spec.grammar)
+                except GrammarError as exc:
+                    raise BadRequestError(
+                        f"The {spec.grammar_param} schema cannot be enforced: {exc}",
+                        param=spec.grammar_param,
+                        code="invalid_schema",
+                    ) from exc
+            seed = base.seed + i if base.seed is not None and i else base.seed
+            params.append(dataclasses.replace(base, constraint=constraint, seed=seed))
+        return params
+
+    def _local_stream(
+        self, backend: LocalTier, gen: Generation
+    ) -> tuple[list[AsyncIterator[StepOutput]], int]:
+        from router.logprobs import token_texts
+
+        spec = gen.output
         try:
-            ids = backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
+            native = None
+            if spec is not None and isinstance(gen.request, ChatCompletionRequest):
+                native = native_prompt_ids(backend.tokenizer, gen.request, spec)
+            ids = native if native is not None else backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
         except TemplateError as exc:  # e.g. a template that demands alternating roles
             raise BadRequestError(
                 f"The messages do not fit the chat template of tier '{backend.name}': {exc}",
                 param="messages",
                 code="invalid_messages",
             ) from exc
-        params = self._sampling(backend, gen, len(ids))
+        params = self._choice_params(backend, gen, self._sampling(backend, gen, len(ids)))
+        if spec is not None:
+            spec.token_texts = token_texts(backend.tokenizer)
+            spec.system_fingerprint = system_fingerprint(backend.name, backend.key)
         try:
-            handle = backend.engine.submit(ids, params)
+            if len(params) == 1:
+                handles = [backend.engine.submit(ids, params[0])]
+            else:
+                handles = backend.engine.submit_n(ids, params)
         except EngineFullError as exc:
             raise OverloadedError(
                 f"Tier '{backend.name}' is at capacity; retry shortly.", retry_after=RETRY_AFTER_S
@@ -371,9 +439,13 @@ class RouterService:
             raise BadRequestError(
                 str(exc), param="messages" if gen.kind == "chat" else "prompt", code="context_length_exceeded"
             ) from exc
-        return handle.__aiter__(), len(ids)
+        return [h.__aiter__() for h in handles], len(ids)
 
     def _remote_stream(self, backend: RemoteBackend, gen: Generation) -> AsyncIterator[StepOutput]:
+        if gen.output is not None:
+            gen.output.system_fingerprint = system_fingerprint(backend.name, backend.key)
+        # Every field is forwarded as the client sent it (tools, response_format, logprobs, n...):
+        # the upstream honours them, and its tool-call deltas and logprobs come back unchanged.
         body = {k: v for k, v in _struct_to_dict(gen.request).items() if v is not None}
         return backend.client.generate(gen.kind, body)
 
@@ -386,6 +458,14 @@ class RouterService:
             return True
         except TimeoutError:
             return False
+
+
+def system_fingerprint(tier: str, key: Any) -> str:
+    """OpenAI's ``system_fingerprint``: changes exactly when the serving configuration of the tier
+    (model, quantization, engine settings) does, so clients can tell answers of different setups."""
+    import hashlib
+
+    return "fp_" + hashlib.sha256(repr((tier, key)).encode()).hexdigest()[:10]
 
 
 def _struct_to_dict(obj: Any) -> dict[str, Any]:

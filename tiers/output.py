@@ -35,6 +35,14 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     """One entry per token in ``token_ids`` when the request asked for logprobs."""
     timings: dict[str, float] = field(default_factory=dict)
+    # Remote tiers only: an OpenAI-compatible upstream has already shaped these, and they are
+    # passed through as it sent them (local engines leave them at their defaults).
+    index: int = 0
+    """The choice this output belongs to (an upstream streams n > 1 choices interleaved)."""
+    tool_calls: list[dict[str, Any]] | None = None
+    """The upstream's ``delta.tool_calls`` items (index, id, function name, argument fragments)."""
+    wire_logprobs: Any = None
+    """The upstream's ``logprobs`` object of this chunk (chat ``{"content": [...]}`` or legacy)."""
 
 
 class IncrementalDetokenizer:

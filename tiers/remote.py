@@ -111,7 +111,10 @@ class RemoteTier:
                 raise RemoteError(f"tier '{self.name}' upstream timed out", 504) from exc
 
     async def _parse(self, resp: httpx.Response, kind: str) -> AsyncIterator[StepOutput]:
-        finish: str | None = None
+        """Upstream chunks as ``StepOutput``s: text, plus tool-call deltas and logprobs passed
+        through as sent, each tagged with its choice ``index``; then one final output per choice
+        (the first carries the usage of the whole answer)."""
+        finish: dict[int, str] = {}
         usage: dict[str, Any] | None = None
         completion = 0
         async for line in resp.aiter_lines():
@@ -129,23 +132,36 @@ class RemoteTier:
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
+                index = int(choice.get("index") or 0)
+                delta = choice.get("delta") or {}
+                text = delta.get("content") if kind == "chat" else choice.get("text")
+                tool_calls = delta.get("tool_calls") if kind == "chat" else None
+                logprobs = choice.get("logprobs")
+                finish.setdefault(index, "")
                 if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
-                if text:
+                    finish[index] = choice["finish_reason"]
+                if text or tool_calls or logprobs:
                     completion += 1
-                    yield StepOutput(text=text, token_ids=[])
+                    yield StepOutput(
+                        text=text or "",
+                        token_ids=[],
+                        index=index,
+                        tool_calls=tool_calls or None,
+                        wire_logprobs=logprobs,
+                    )
         prompt_tokens = int((usage or {}).get("prompt_tokens", 0))
         completion_tokens = int((usage or {}).get("completion_tokens", completion))
         cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0)
-        yield StepOutput(
-            text="",
-            token_ids=[],
-            finish_reason=finish or "stop",
-            num_prompt_tokens=prompt_tokens,
-            num_output_tokens=completion_tokens,
-            num_cached_tokens=cached,
-        )
+        for i, index in enumerate(sorted(finish) or [0]):
+            yield StepOutput(
+                text="",
+                token_ids=[],
+                finish_reason=finish.get(index) or "stop",
+                num_prompt_tokens=prompt_tokens if i == 0 else 0,
+                num_output_tokens=completion_tokens if i == 0 else 0,
+                num_cached_tokens=cached if i == 0 else 0,
+                index=index,
+            )
 
 
 class _Retry(Exception):

@@ -102,7 +102,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         ("top_p", 0),
         ("presence_penalty", -9),
         ("frequency_penalty", 2.5),
-        ("n", 2),
+        ("n", 17),  # n > 1 is served; past MAX_N (16) it is refused
         ("max_tokens", 0),
     ],
 )
@@ -150,9 +150,27 @@ def test_non_finite_and_malformed_json(server: Server) -> None:
         error_of(r)
 
 
-def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
+def test_unknown_fields_are_400_naming_them(client: openai.OpenAI) -> None:
+    # OpenAI's own policy: a misspelt field must not be a 200 that silently ignores it.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="small", messages=SIMPLE, max_tokens=2, extra_body={"frobnicate": True}
+        )
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["param"] == "frobnicate"
+    assert "Unrecognized request argument supplied: frobnicate" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="small", prompt="hi", max_tokens=2, extra_body={"respone_format": {}})
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "respone_format"
+    # Inside messages, response-only keys that clients send back are ignored.
     resp = client.chat.completions.create(
-        model="small", messages=SIMPLE, max_tokens=2, extra_body={"frobnicate": True, "logit_bias": {}}
+        model="small",
+        max_tokens=2,
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},  # type: ignore[misc,list-item]
+            {"role": "user", "content": "again"},
+        ],
     )
     assert resp.choices
 
@@ -297,19 +315,13 @@ def test_retrieve_one_model(client: openai.OpenAI) -> None:
         client.models.retrieve("gpt-4o")
 
 
-def test_tool_and_multimodal_shaped_messages_are_accepted(client: openai.OpenAI) -> None:
+def test_tool_shaped_messages_are_accepted_and_images_refused(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
         model="small",
         max_tokens=3,
         messages=[
             {"role": "system", "content": "You are helpful."},
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is in this picture?"},
-                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-                ],
-            },
+            {"role": "user", "content": [{"type": "text", "text": "What is 6 times 7?"}]},
             {
                 "role": "assistant",
                 "content": None,
@@ -326,5 +338,22 @@ def test_tool_and_multimodal_shaped_messages_are_accepted(client: openai.OpenAI)
                 "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
             }
         ],
+        tool_choice="none",
     )
     assert resp.choices[0].message.role == "assistant"
+    # The models read text only: an image part is refused, not silently dropped.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="small",
+            max_tokens=3,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this picture?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ],
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "messages[0].content[1].type"
