@@ -53,6 +53,8 @@ def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.api_key_env,
         cfg.timeout_s,
         cfg.max_retries,
+        cfg.circuit_failures,
+        cfg.circuit_cooldown_s,
     )
 
 
@@ -260,6 +262,8 @@ def build_tiers(
                 timeout_s=cfg.timeout_s,
                 max_retries=cfg.max_retries,
                 capacity=cfg.max_num_seqs + cfg.max_queue,
+                circuit_failures=cfg.circuit_failures,
+                circuit_cooldown_s=cfg.circuit_cooldown_s,
             )
             backends[name] = RemoteBackend(name, cfg, client)
             continue

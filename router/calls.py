@@ -6,11 +6,12 @@ of them needs another's module (no import circle).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from classifier import ComplexityScore
+    from router.admission import TierPressure
     from router.policy.decide import Decision
     from router.policy.schema import Policy
     from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -42,6 +43,10 @@ class Routed:
     classify_ms: float
     policy: Policy | None = None
     """The policy snapshot the decision was taken under (a reload may swap the live one)."""
+    pressures: dict[str, TierPressure] = field(default_factory=dict)
+    """Each tier's admission state when the decision was taken (``router.admission``)."""
+    deadline_s: float | None = None
+    """The client's deadline (``x-request-timeout``), if it sent one."""
 
 
 @dataclass(slots=True)

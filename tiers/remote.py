@@ -3,8 +3,22 @@
 This is how a tier outgrows one machine: the router keeps classification, policy, caching and
 telemetry, and streams the upstream's tokens through. Requests are always sent with
 ``stream: true`` (and usage requested) so time-to-first-token is the upstream's, whatever the
-client asked for. Connect errors and 502/503/504 are retried with backoff, but only before the
-first byte of an answer arrived - a partially streamed answer is never replayed.
+client asked for.
+
+Failures are reported the way an OpenAI client expects them (``RemoteError`` carries what the
+service needs to answer):
+- a 4xx from the upstream is the client's problem and passes through with its status and error
+  body (a 400 for context length stays a 400; a 429 keeps its ``Retry-After``), never retried;
+- transport errors (refused, reset, protocol errors) and 502/503/504 are retried with backoff,
+  but only while nothing of the answer has been passed on - a partially streamed answer is never
+  replayed; then refused/unavailable is a 503, anything else a 502, a timeout a 503;
+- a stream that ends without ``[DONE]`` or a ``finish_reason`` is truncated: an error, never a
+  ``stop`` (so it is never cached);
+- a circuit breaker counts consecutive upstream failures (not 4xx): past ``circuit_failures`` the
+  tier reports itself full for ``circuit_cooldown_s`` (the policy's fallback applies), then lets
+  one trial request through, which closes it again or re-opens it.
+
+The connection pool holds as many connections as the tier admits requests (``capacity``).
 """
 
 from __future__ import annotations
@@ -12,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,27 +35,89 @@ import httpx
 
 from tiers.output import StepOutput
 
-__all__ = ["RemoteError", "RemoteTier"]
+__all__ = ["CircuitBreaker", "RemoteError", "RemoteTier"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
+_MAX_ERROR_BODY = 64 * 1024
+# Errors on an open connection: the request may not have reached the upstream, or its answer did
+# not get back; safe to retry only while nothing was passed on.
+_TRANSPORT_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.LocalProtocolError)
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class RemoteError(RuntimeError):
-    def __init__(self, message: str, status_code: int = 502) -> None:
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 502,
+        *,
+        body: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+        started: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.body = body
+        """A 4xx upstream's ``error`` object (message, type, param, code), passed to the client."""
+        self.retry_after = retry_after
+        self.started = started
+        """True when part of the answer had already been passed on (the stream was cut)."""
+
+
+class CircuitBreaker:
+    """closed -> (``failures`` in a row) -> open -> (``cooldown_s``) -> half-open: one trial."""
+
+    def __init__(self, failures: int = 5, cooldown_s: float = 10.0) -> None:
+        self.failures = failures
+        self.cooldown_s = cooldown_s
+        self._consecutive = 0
+        self._opened_at: float | None = None
+        self._trial = False
+
+    def open_for(self) -> float | None:
+        """Seconds the circuit stays open (None when requests may go through)."""
+        if self._opened_at is None:
+            return None
+        left = self._opened_at + self.cooldown_s - time.monotonic()
+        if left > 0:
+            return left
+        return 0.0 if self._trial else None  # half-open: free until the trial is taken
+
+    def allow(self) -> bool:
+        if self._opened_at is None:
+            return True
+        if time.monotonic() - self._opened_at < self.cooldown_s or self._trial:
+            return False
+        self._trial = True  # the one request that probes the upstream
+        return True
+
+    def success(self) -> None:
+        if self._opened_at is not None:
+            log.info("circuit closed: the upstream answered again")
+        self._consecutive, self._opened_at, self._trial = 0, None, False
+
+    def failure(self) -> None:
+        self._consecutive += 1
+        if self._trial or self._consecutive >= self.failures:
+            if self._opened_at is None or self._trial:
+                log.warning("circuit open for %.0fs after %d failure(s)", self.cooldown_s, self._consecutive)
+            self._opened_at, self._trial = time.monotonic(), False
 
 
 @dataclass(slots=True)
 class RemoteLoad:
     in_flight: int
     capacity: int
+    circuit_open_s: float | None = None
+    """Seconds until an open circuit lets a trial through (None: closed or half-open)."""
+    predicted_wait_s: float = 0.0
+    """Unknown for an upstream: it queues on its own side (admission counts in-flight only)."""
 
     @property
     def is_full(self) -> bool:
-        return self.in_flight >= self.capacity
+        return self.in_flight >= self.capacity or self.circuit_open_s is not None
 
 
 class RemoteTier:
@@ -54,6 +131,8 @@ class RemoteTier:
         timeout_s: float = 120.0,
         max_retries: int = 2,
         capacity: int = 64,
+        circuit_failures: int = 5,
+        circuit_cooldown_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.name = name
@@ -62,15 +141,21 @@ class RemoteTier:
         self.max_retries = max_retries
         self.capacity = capacity
         self.in_flight = 0
+        self.circuit = CircuitBreaker(circuit_failures, circuit_cooldown_s)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        connect = min(10.0, timeout_s)
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            # pool: waiting for a free connection counts as connecting (the pool is as large as
+            # what the tier admits, so a wait means the upstream holds every connection).
+            timeout=httpx.Timeout(timeout_s, connect=connect, pool=connect),
+            # One connection per request the tier admits: the pool never becomes the queue.
+            limits=httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
             headers=headers,
             transport=transport,
         )
 
     def load(self) -> RemoteLoad:
-        return RemoteLoad(self.in_flight, self.capacity)
+        return RemoteLoad(self.in_flight, self.capacity, self.circuit.open_for())
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -79,6 +164,9 @@ class RemoteTier:
         """``kind``: ``chat`` or ``completion``; ``body``: the client's request with ``model`` rewritten."""
         path = "/chat/completions" if kind == "chat" else "/completions"
         payload = dict(body, model=self.served_model, stream=True, stream_options={"include_usage": True})
+        if not self.circuit.allow():
+            left = self.circuit.open_for() or self.circuit.cooldown_s
+            raise RemoteError(f"tier '{self.name}' is unavailable (circuit open)", 503, retry_after=left)
         self.in_flight += 1
         try:
             async for out in self._stream(path, payload, kind):
@@ -88,6 +176,7 @@ class RemoteTier:
 
     async def _stream(self, path: str, payload: dict[str, Any], kind: str) -> AsyncIterator[StepOutput]:
         attempt = 0
+        yielded = False
         while True:
             try:
                 async with self._client.stream("POST", self.base_url + path, json=payload) as resp:
@@ -95,20 +184,61 @@ class RemoteTier:
                         await resp.aread()
                         raise _Retry(f"upstream answered {resp.status_code}")
                     if resp.status_code >= 400:
-                        text = (await resp.aread()).decode(errors="replace")[:500]
-                        raise RemoteError(
-                            f"tier '{self.name}' upstream error {resp.status_code}: {text}", resp.status_code
-                        )
+                        raise await self._status_error(resp)
                     async for out in self._parse(resp, kind):
+                        if out.finish_reason is not None:
+                            # Before the yield: the consumer may close us at the final output.
+                            self.circuit.success()
+                        yielded = True
                         yield out
                     return
-            except (_Retry, httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            except RemoteError as exc:
+                if exc.status_code >= 500 or exc.started:
+                    self.circuit.failure()
+                else:
+                    self.circuit.success()  # a 4xx: the upstream is alive and answering
+                raise
+            except (_Retry, *_CONNECT_ERRORS, *_TRANSPORT_ERRORS) as exc:
+                if yielded:  # part of the answer is out: never replay it
+                    self.circuit.failure()
+                    raise RemoteError(
+                        f"tier '{self.name}': the upstream connection broke mid-answer", 502, started=True
+                    ) from exc
                 if attempt >= self.max_retries:
-                    raise RemoteError(f"tier '{self.name}' upstream unreachable: {exc}", 503) from exc
+                    self.circuit.failure()
+                    if isinstance(exc, _TRANSPORT_ERRORS):
+                        raise RemoteError(f"tier '{self.name}': upstream connection failed", 502) from exc
+                    raise RemoteError(
+                        f"tier '{self.name}': upstream unreachable", 503, retry_after=self.circuit.cooldown_s
+                    ) from exc
                 attempt += 1
                 await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
-            except httpx.TimeoutException as exc:
-                raise RemoteError(f"tier '{self.name}' upstream timed out", 504) from exc
+            except httpx.TimeoutException as exc:  # read/write timeout: retrying would double the wait
+                self.circuit.failure()
+                raise RemoteError(
+                    f"tier '{self.name}': upstream timed out", 503, retry_after=1.0, started=yielded
+                ) from exc
+
+    async def _status_error(self, resp: httpx.Response) -> RemoteError:
+        """The error for an upstream status >= 400: 4xx keep status, body and Retry-After; 5xx
+        become 502 (503 for 503/504) without the upstream's text (it may hold internals)."""
+        status = resp.status_code
+        retry_after = _retry_after(resp.headers.get("retry-after"))
+        if status >= 500:
+            await resp.aread()
+            if status in (503, 504):
+                return RemoteError(
+                    f"tier '{self.name}': upstream unavailable", 503, retry_after=retry_after or 1.0
+                )
+            return RemoteError(f"tier '{self.name}': upstream error {status}", 502)
+        raw = b""
+        async for part in resp.aiter_bytes():
+            raw += part
+            if len(raw) > _MAX_ERROR_BODY:
+                break
+        body = _error_object(raw[:_MAX_ERROR_BODY])
+        message = str(body.get("message") or f"upstream answered {status}")
+        return RemoteError(message, status, body=body, retry_after=retry_after)
 
     async def _parse(self, resp: httpx.Response, kind: str) -> AsyncIterator[StepOutput]:
         """Upstream chunks as ``StepOutput``s: text, plus tool-call deltas and logprobs passed
@@ -117,18 +247,22 @@ class RemoteTier:
         finish: dict[int, str] = {}
         usage: dict[str, Any] | None = None
         completion = 0
+        done = saw_finish = False
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                done = True
                 break
             try:
                 chunk = json.loads(data)
             except json.JSONDecodeError:
                 continue
             if "error" in chunk:
-                raise RemoteError(f"tier '{self.name}' upstream error: {chunk['error']}")
+                raise RemoteError(
+                    f"tier '{self.name}': the upstream failed mid-answer", 502, started=completion > 0
+                )
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
@@ -139,6 +273,7 @@ class RemoteTier:
                 logprobs = choice.get("logprobs")
                 finish.setdefault(index, "")
                 if choice.get("finish_reason"):
+                    saw_finish = True
                     finish[index] = choice["finish_reason"]
                 if text or tool_calls or logprobs:
                     completion += 1
@@ -149,6 +284,11 @@ class RemoteTier:
                         tool_calls=tool_calls or None,
                         wire_logprobs=logprobs,
                     )
+        if not done and not saw_finish:
+            # The body ended (the upstream closed it cleanly) before the answer did.
+            raise RemoteError(
+                f"tier '{self.name}': the upstream stream ended early", 502, started=completion > 0
+            )
         prompt_tokens = int((usage or {}).get("prompt_tokens", 0))
         completion_tokens = int((usage or {}).get("completion_tokens", completion))
         cached = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0)
@@ -166,3 +306,33 @@ class RemoteTier:
 
 class _Retry(Exception):
     pass
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date: rare from inference servers; the client's default applies
+
+
+def _error_object(raw: bytes) -> dict[str, Any]:
+    """The upstream's OpenAI-shaped ``error`` object, reduced to its four public fields."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, str):
+        err = {"message": err}
+    if not isinstance(err, dict):
+        detail = data.get("detail") or data.get("message") if isinstance(data, dict) else None
+        err = {"message": str(detail)[:1000] if detail else None}
+    out: dict[str, Any] = {}
+    for k in ("message", "type", "param", "code"):
+        v = err.get(k)
+        if v is not None and not isinstance(v, str | int):
+            v = str(v)
+        out[k] = v[:1000] if isinstance(v, str) else v
+    return out

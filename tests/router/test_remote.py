@@ -3,8 +3,14 @@ service on loopback) through, with its own routing headers, metrics and error ma
 
 from __future__ import annotations
 
+import json
+import re
+import socket
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -116,3 +122,227 @@ def test_upstream_error_is_passed_as_an_openai_error(front: Server) -> None:
     assert r.status_code in (200, 400, 502)
     if r.status_code != 200:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- a misbehaving upstream -------------------------------------------------------------------------
+class Flaky:
+    """A raw-socket OpenAI-ish upstream whose behaviour the test sets per request (``mode``)."""
+
+    def __init__(self) -> None:
+        import socketserver
+        import threading
+
+        self.mode = "ok"
+        self.requests = 0
+        flaky = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                flaky.requests += 1
+                flaky.serve(self.request)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def serve(self, sock: Any) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            part = sock.recv(65536)
+            if not part:
+                return
+            data += part
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+        while len(body) < length:
+            body += sock.recv(65536)
+        mode = self.mode
+        if mode == "dead":  # accept, then drop the connection without an answer
+            sock.close()
+            return
+        if mode == "hang":
+            time.sleep(3)
+            return
+        if mode in ("400", "429", "500"):
+            status = {
+                "400": b"400 Bad Request",
+                "429": b"429 Too Many Requests",
+                "500": b"500 Internal Server Error",
+            }
+            payload = {
+                "400": b'{"error": {"message": "This model\'s maximum context length is 8 tokens.", '
+                b'"type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}',
+                "429": b'{"error": {"message": "Upstream is busy.", "type": "rate_limit_error", '
+                b'"param": null, "code": "rate_limit_exceeded"}}',
+                "500": b"Traceback (most recent call last): secret /srv/internal/path.py",
+            }[mode]
+            extra = b"retry-after: 7\r\n" if mode == "429" else b""
+            sock.sendall(
+                b"HTTP/1.1 "
+                + status[mode]
+                + b"\r\ncontent-type: application/json\r\n"
+                + extra
+                + b"content-length: "
+                + str(len(payload)).encode()
+                + b"\r\nconnection: close\r\n\r\n"
+                + payload
+            )
+            return
+        sock.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            b"connection: close\r\n\r\n"
+        )
+
+        def chunk(obj: dict[str, Any] | str) -> None:
+            line = b"data: " + (obj.encode() if isinstance(obj, str) else json.dumps(obj).encode()) + b"\n\n"
+            sock.sendall(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+
+        for word in ("Hello", " from", " upstream"):
+            chunk({"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]})
+        if mode == "reset":  # RST mid-stream
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+            return
+        if mode == "truncate":  # a clean end of body, but the answer never finished
+            sock.sendall(b"0\r\n\r\n")
+            return
+        chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+        chunk("[DONE]")
+        sock.sendall(b"0\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def flaky() -> Flaky:
+    return Flaky()
+
+
+@pytest.fixture(scope="module")
+def guarded(flaky: Flaky, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    remote = f"http://127.0.0.1:{flaky.port}/v1"
+    text = f"""
+version: 1
+tiers:
+  small:
+    model: {tiny_model_dir}
+    max_num_seqs: 4
+    max_model_len: 256
+    defaults: {{max_tokens: 4, temperature: 0}}
+  remote: {{model: "{remote}", max_retries: 1, timeout_s: 1.5, circuit_failures: 3, circuit_cooldown_s: 1}}
+  lonely: {{model: "{remote}", max_retries: 0, timeout_s: 1.5, circuit_failures: 1, circuit_cooldown_s: 30}}
+routing:
+  rules:
+    - {{name: default, tier: small}}
+  fallback: {{remote: small}}
+service:
+  auth: {{mode: open}}
+  cache: {{enabled: true}}
+"""
+    path = tmp_path_factory.mktemp("guarded") / "policy.yaml"
+    path.write_text(text)
+    srv, stop = start_server(path, watch_policy=False)
+    yield srv
+    stop()
+
+
+def ask(srv: Server, model: str = "remote", stream: bool = False, content: str = "hi") -> httpx.Response:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "stream": stream,
+    }
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def sse_text(r: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    return text, events
+
+
+def test_upstream_4xx_pass_through_with_status_body_and_retry_after(guarded: Server, flaky: Flaky) -> None:
+    flaky.mode = "400"
+    seen = flaky.requests
+    r = ask(guarded)
+    assert r.status_code == 400 and flaky.requests == seen + 1  # a client error is not retried
+    assert r.json()["error"] == {
+        "message": "This model's maximum context length is 8 tokens.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    flaky.mode = "429"
+    r = ask(guarded, stream=True)
+    assert r.status_code == 429 and r.headers["retry-after"] == "7"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    flaky.mode = "400"
+    client = openai.OpenAI(base_url=guarded.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "hi"}])
+    flaky.mode = "ok"
+
+
+def test_upstream_500_is_a_502_without_its_internals(guarded: Server, flaky: Flaky) -> None:
+    flaky.mode = "500"
+    r = ask(guarded)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+    assert "Traceback" not in r.text and "/srv" not in r.text
+    flaky.mode = "ok"
+    assert ask(guarded).status_code == 200  # resets the failure count before the circuit opens
+
+
+def test_reset_or_truncated_streams_are_errors_and_never_cached(guarded: Server, flaky: Flaky) -> None:
+    for mode in ("reset", "truncate"):
+        flaky.mode = mode
+        content = f"cut {mode}"
+        r = ask(guarded, content=content)
+        assert r.status_code == 502, (mode, r.text)
+        streamed = ask(guarded, stream=True, content=content)
+        assert streamed.status_code == 200  # the stream had started: the error is its last event
+        text, events = sse_text(streamed)
+        assert text == "Hello from upstream" and "error" in events[-1], mode
+        assert all(c.get("finish_reason") != "stop" for e in events for c in e.get("choices", []))
+        flaky.mode = "ok"
+        again = ask(guarded, content=content)
+        assert again.status_code == 200 and again.headers["x-router-cache"] == "miss", mode
+        assert ask(guarded, content=content).headers["x-router-cache"] == "hit"
+
+
+def test_upstream_timeout_is_a_503_with_retry_after(guarded: Server, flaky: Flaky) -> None:
+    flaky.mode = "hang"
+    started = time.monotonic()
+    r = ask(guarded, content="slow")
+    assert r.status_code == 503 and "retry-after" in r.headers
+    assert time.monotonic() - started < 2.8  # the 1.5 s timeout, not retried
+    flaky.mode = "ok"
+    assert ask(guarded, content="after the timeout").status_code == 200
+
+
+def test_dying_upstream_opens_the_circuit_falls_back_and_closes_after_cooldown(
+    guarded: Server, flaky: Flaky
+) -> None:
+    flaky.mode = "dead"
+    for _ in range(3):  # circuit_failures: 3
+        r = ask(guarded, content="circuit")
+        assert r.status_code == 502, r.text
+    seen = flaky.requests
+    fallback = ask(guarded, content="circuit")
+    assert fallback.status_code == 200 and fallback.headers["x-router-tier"] == "small"
+    assert flaky.requests == seen  # the open circuit sends nothing upstream
+    time.sleep(1.1)  # circuit_cooldown_s: 1
+    flaky.mode = "ok"
+    back = ask(guarded, content="circuit back")
+    assert back.status_code == 200 and back.headers["x-router-tier"] == "remote"
+    assert ask(guarded, content="circuit back 2").headers["x-router-tier"] == "remote"
+
+
+def test_an_open_circuit_without_fallback_is_a_503_at_once(guarded: Server, flaky: Flaky) -> None:
+    flaky.mode = "dead"
+    assert ask(guarded, model="lonely").status_code == 502  # circuit_failures: 1
+    started = time.monotonic()
+    r = ask(guarded, model="lonely")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "tier_unavailable"
+    assert 1 <= int(r.headers["retry-after"]) <= 30 and time.monotonic() - started < 0.5
+    flaky.mode = "ok"

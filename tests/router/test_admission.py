@@ -1,0 +1,68 @@
+"""Admission by predicted wait through HTTP: a tier that would make a request wait past its budget
+(the tier's ``max_queue_wait_s`` or the client's ``x-request-timeout``) hands it to the fallback
+tier, or refuses it at once with an honest Retry-After."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.conftest import Server
+
+
+@pytest.fixture
+def predicted(server: Server) -> Iterator[dict[str, float]]:
+    """Set a tier's predicted wait (what the engine would estimate from its queue and step times)."""
+    waits: dict[str, float] = {}
+    patched = []
+    for name in ("small", "medium", "large"):
+        engine = server.engine(name)
+        original = engine.load
+
+        def load(original: Any = original, name: str = name) -> Any:
+            return dataclasses.replace(original(), predicted_wait_s=waits.get(name, 0.0))
+
+        engine.load = load
+        patched.append((engine, original))
+    yield waits
+    for engine, original in patched:
+        engine.load = original
+
+
+def ask(server: Server, model: str = "small", **headers: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    hdrs = {k.replace("_", "-"): v for k, v in headers.items()}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=hdrs, timeout=30)
+
+
+def test_a_tier_predicted_to_wait_too_long_falls_back(server: Server, predicted: dict[str, float]) -> None:
+    predicted["small"] = 30.0  # > the default max_queue_wait_s (5 s)
+    r = ask(server)
+    assert r.status_code == 200 and r.headers["x-router-tier"] == "medium"
+
+
+def test_no_tier_with_headroom_is_refused_at_once_with_an_honest_retry_after(
+    server: Server, predicted: dict[str, float]
+) -> None:
+    predicted.update(small=30.0, medium=30.0, large=12.0)
+    started = time.perf_counter()
+    r = ask(server)
+    took = time.perf_counter() - started
+    assert r.status_code == 429 and took < 0.5
+    assert r.json()["error"]["code"] == "predicted_wait_exceeded"
+    assert r.headers["retry-after"] == "7"  # large, the last in the chain: 12 s predicted - 5 s allowed
+
+
+def test_the_client_deadline_lowers_the_budget(server: Server, predicted: dict[str, float]) -> None:
+    predicted["small"] = 3.0
+    assert ask(server).headers["x-router-tier"] == "small"  # 3 s is within the tier's 5 s
+    assert ask(server, x_request_timeout="2").headers["x-router-tier"] == "medium"
+    assert ask(server, x_request_timeout="60").headers["x-router-tier"] == "small"
+    for bad in ("soon", "-1", "nan", "0"):
+        r = ask(server, x_request_timeout=bad)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_timeout"
