@@ -129,8 +129,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -251,8 +253,14 @@ def validate_chat(req: ChatCompletionRequest) -> None:
         _refuse("modalities", "the models answer in text only")
     if req.prediction is not None:
         _refuse("prediction", "predicted outputs are not used for drafting")
-    if req.reasoning_effort is not None:
+    if req.reasoning_effort not in (None, "none"):
         _refuse("reasoning_effort", "the models are not reasoning models")
+    if req.moderation is not None:
+        _refuse("moderation", "there is no moderation model")
+    if req.prompt_cache_options is not None and req.prompt_cache_options.get("mode") == "explicit":
+        _refuse(
+            "prompt_cache_options", "the prefix cache is automatic; explicit breakpoints do not exist here"
+        )
     if req.verbosity is not None:
         _refuse("verbosity", "the models have no verbosity control")
     if req.web_search_options is not None:
