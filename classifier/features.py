@@ -44,11 +44,27 @@ class TokenCounts(TransformerMixin, BaseEstimator):
     """``log1p`` of token-group counts: :data:`classifier.text.COUNT_FEATURES` unless ``groups``.
 
     The routing score uses :data:`classifier.text.OUTCOME_GROUPS` (the same counts plus domain
-    cues); the first group must be the total token count.
+    cues); the first group must be the total token count. With ``gate``, the ``gated`` groups
+    count only in prompts where the ``gate`` group is absent (0 otherwise): the routing score
+    gates its domain cues on "not a multiple-choice exam question" (see classifier/README.md).
     """
 
-    def __init__(self, groups: Groups | None = None) -> None:
+    def __init__(
+        self, groups: Groups | None = None, gate: str | None = None, gated: tuple[str, ...] = ()
+    ) -> None:
         self.groups = groups
+        self.gate = gate
+        self.gated = gated
+
+    def _mask(self) -> tuple[int, list[float]] | None:
+        """``(gate column, 0/1 mask of gated columns)``, or None without a gate."""
+        if self.gate is None:
+            return None
+        names = [name for name, _ in self._groups()]
+        unknown = [g for g in (self.gate, *self.gated) if g not in names]
+        if unknown:
+            raise ValueError(f"unknown count groups {unknown}")
+        return names.index(self.gate), [1.0 if n in self.gated else 0.0 for n in names]
 
     def _groups(self) -> Groups:
         return self.groups if self.groups is not None else COUNT_FEATURES
@@ -60,9 +76,13 @@ class TokenCounts(TransformerMixin, BaseEstimator):
     def transform(self, x: Any) -> np.ndarray:
         groups = self._groups()
         rows = [count_features(t, groups) for t in _as_list(x)]
-        return np.log1p(np.asarray(rows, dtype=np.float64).reshape(-1, self.n_features_out_)).astype(
-            np.float32
-        )
+        counts = np.asarray(rows, dtype=np.float64).reshape(-1, self.n_features_out_)
+        gating = self._mask()
+        if gating is not None:
+            col, mask = gating
+            m = np.asarray(mask)
+            counts = counts * ((1.0 - m) + m * (counts[:, [col]] == 0.0))
+        return np.log1p(counts).astype(np.float32)
 
     def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
         return np.asarray([f"count_{name}" for name, _ in self._groups()], dtype=object)
@@ -152,7 +172,30 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
     group_matrix = const("groups", TensorProto.FLOAT, list(matrix.shape), matrix.ravel().tolist())
     container.add_node("MatMul", [pool_counts, group_matrix], grouped, name=name("MatMul"))
     counts, plus_one = name("counts"), name("plus_one")
-    container.add_node("Concat", [total, grouped], counts, name=name("Concat"), axis=1)
+    gating = operator.raw_operator._mask()
+    joined = counts if gating is None else name("ungated")
+    container.add_node("Concat", [total, grouped], joined, name=name("Concat"), axis=1)
+    if gating is not None:
+        # counts * ((1 - mask) + mask * [gate count == 0]): gated columns vanish where the gate fires.
+        col, mask = gating
+        width = len(mask)
+        gate_count, gate_open, gate_float, opened, factor = (
+            name("gate_count"),
+            name("gate_open"),
+            name("gate_float"),
+            name("opened"),
+            name("factor"),
+        )
+        index = const("gate_index", TensorProto.INT64, [1], [col])
+        container.add_node("Gather", [joined, index], gate_count, name=name("Gather"), axis=1)
+        zero = const("zero", TensorProto.FLOAT, [], [0.0])
+        container.add_node("Equal", [gate_count, zero], gate_open, name=name("Equal"))
+        container.add_node("Cast", gate_open, gate_float, name=name("Cast"), to=TensorProto.FLOAT)
+        mask_c = const("gate_mask", TensorProto.FLOAT, [1, width], mask)
+        keep_c = const("gate_keep", TensorProto.FLOAT, [1, width], [1.0 - v for v in mask])
+        container.add_node("Mul", [mask_c, gate_float], opened, name=name("Mul"))
+        container.add_node("Add", [keep_c, opened], factor, name=name("Add"))
+        container.add_node("Mul", [joined, factor], counts, name=name("Mul"))
     container.add_node(
         "Add", [counts, const("one", TensorProto.FLOAT, [], [1.0])], plus_one, name=name("Add")
     )

@@ -63,6 +63,19 @@ PROXY_PATH = DATA_DIR / "outcome_proxy.jsonl"
 # RouteLLM's MMLU file has GPT-4 at 3 % on high_school_mathematics (chance is 25 %, Mixtral 32 %):
 # its answers were not extracted, not wrong. Training on it would teach "maths: weak is better".
 DROPPED_SUBJECTS: tuple[str, ...] = ("high_school_mathematics",)
+# Topic cues of free-form requests. On MMLU's multiple-choice questions they point the wrong way
+# (the strong model gains most on moral scenarios and law, least on chemistry and statistics),
+# while on open requests the strong model gains most on maths, reasoning and code (MT-Bench):
+# gated on "no lettered options", MMLU rows leave them at 0 and only free-form data sets them.
+DOMAIN_GROUPS: tuple[str, ...] = (
+    "math_symbols",
+    "math_words",
+    "code",
+    "reasoning",
+    "writing",
+    "roleplay",
+    "chat",
+)
 
 
 @dataclass(frozen=True)
@@ -72,10 +85,15 @@ class OutcomeConfig:
     """Inverse L2 strength of the logistic regression."""
     word_max_features: int = 0
     """Word TF-IDF vocabulary (0: off). Measured not to transfer across subjects; see README."""
-    proxy_weight: float = 3.0
+    proxy_weight: float = 1.0
     """Sample weight of each proxy-corpus row (an MMLU row weighs 1)."""
     heldout_fraction: float = HELDOUT_SUBJECT_FRACTION
     """Share of subjects kept out of training for evaluation (0: train on every subject)."""
+    gate_domain: bool = True
+    """Domain cues count only in prompts that are not multiple-choice exam questions."""
+    scale: bool = False
+    """Standardize the counts. Off: gated cues are 0 on most training rows, so their standard
+    deviation is tiny and standardizing would blow them up on every free-form prompt."""
 
 
 OUTCOME_CONFIG = OutcomeConfig()
@@ -89,9 +107,15 @@ def _features(config: OutcomeConfig) -> Any:
 
     from classifier.features import TokenCounts
 
-    parts: list[tuple[str, Any, int]] = [
-        ("counts", Pipeline([("tokens", TokenCounts(OUTCOME_GROUPS)), ("scale", StandardScaler())]), 0)
-    ]
+    counts = (
+        TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS)
+        if config.gate_domain
+        else TokenCounts(OUTCOME_GROUPS)
+    )
+    steps: list[tuple[str, Any]] = [("tokens", counts)]
+    if config.scale:
+        steps.append(("scale", StandardScaler()))
+    parts: list[tuple[str, Any, int]] = [("counts", Pipeline(steps), 0)]
     if config.word_max_features > 0:
         words = TraceableTfidfVectorizer(
             token_pattern=WORD_TOKEN_PATTERN,
