@@ -100,6 +100,28 @@ def check_strict_schema(schema: Any, name: str, path: tuple[str, ...] = ()) -> N
             check_strict_schema(value, name, (*path, key))
 
 
+def close_objects(schema: Any) -> Any:
+    """A copy of ``schema`` in which objects that list ``properties`` but leave
+    ``additionalProperties`` unset allow no other keys. JSON Schema's default admits any extra key,
+    and under a grammar a small model wanders into inventing keys until ``max_tokens``; every
+    output of the closed schema still validates against the original."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}  # names, not schemas
+        elif key in ("enum", "const", "default", "examples", "required"):
+            out[key] = value
+        else:
+            out[key] = close_objects(value)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _format_grammar(req: ChatCompletionRequest) -> tuple[str, GrammarSpec | None]:
     rf = req.response_format
     if rf is None or rf.type == "text":
@@ -111,7 +133,7 @@ def _format_grammar(req: ChatCompletionRequest) -> tuple[str, GrammarSpec | None
     strict = bool(rf.json_schema.strict)
     if strict:
         check_strict_schema(rf.json_schema.schema, rf.json_schema.name)
-    return "json_schema", GrammarSpec.json_schema(rf.json_schema.schema, strict=strict)
+    return "json_schema", GrammarSpec.json_schema(close_objects(rf.json_schema.schema), strict=strict)
 
 
 def output_spec(req: ChatCompletionRequest | CompletionRequest) -> OutputSpec:

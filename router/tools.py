@@ -227,7 +227,9 @@ def _lark_string(s: str) -> str:
 
 
 def _args_schema(tool: Tool) -> str:
-    schema = dict(tool.parameters)
+    from router.structured import close_objects
+
+    schema = dict(close_objects(tool.parameters))
     # llguidance reads compile options from the schema itself inside a Lark grammar.
     schema["x-guidance"] = json_options(strict=tool.strict)
     return json.dumps(schema, separators=(",", ":"))

@@ -86,18 +86,20 @@ TOOLS: list[Any] = [
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # Tool prompts are long in the tiny tokenizer (a few characters per token): more context.
-    path = tmp_path_factory.mktemp("policy") / "policy.yaml"
-    path.write_text(
-        tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace(
-            "max_model_len: 256", "max_model_len: 1024"
-        )
-    )
+def long_context_server(model_dir: Path, tmp: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny policy with room for tool prompts, which are long in the tiny tokenizer (a few
+    characters per token)."""
+    path = tmp.mktemp("policy") / "policy.yaml"
+    yaml = tiny_policy_yaml(model_dir, cache_enabled=False)
+    path.write_text(yaml.replace("max_model_len: 256", "max_model_len: 1024"))
     srv, stop = start_server(path)
     yield srv
     stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from long_context_server(tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
