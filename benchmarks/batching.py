@@ -2,11 +2,15 @@
 
   (a) ``model.generate()`` per request, sequentially      - the naive server
   (b) transformers' own continuous batching (``generate_batch``)
-  (c) this engine (slot KV pool, continuous batching)
+  (c) the previous engine (dense KV slots), checked out of git at ``DENSE_REV`` into a temp package
+  (d) this engine (paged KV blocks, one token budget per step)
 
 Each request: one of 16 chat prompts, 64 new tokens, greedy, EOS ignored so every system
-generates exactly the same number of tokens. Tokens/s at concurrency 1, 4, 8, 16, plus peak RSS
-with 64 requests queued against 16 slots. Writes benchmarks/results/batching.{json,png}.
+generates exactly the same number of tokens. Tokens/s at concurrency 1, 4, 16 and 64 (the dense
+engine has 16 slots, so at 64 it queues; the paged engine runs 64 at once), plus peak RSS with 64
+requests. Then a mixed load: long prompts arriving while 8 sequences decode, with inter-token
+latency p99 of the decoders, paged (shared steps) vs dense (prefill/decode alternation).
+Writes benchmarks/results/batching.{json,png}.
 
     python -m benchmarks.batching [--quick]
 """
@@ -28,49 +32,61 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4 only")
     args = parser.parse_args()
-    levels = [1, 4] if args.quick else [1, 4, 8, 16]
+    levels = [1, 4] if args.quick else [1, 4, 16, 64]
 
     from tiers.device import DeviceWorker
 
     worker = DeviceWorker()
-    result = worker.call(_setup)
-    loaded, engine = result
+    loaded, engine, dense = worker.call(_setup)
     engine.attach(worker)
+    dense.attach(worker)
     tok = loaded.tokenizer
     ids = encode_chat(tok, PROMPTS)
 
     rows: list[dict[str, Any]] = []
     for c in levels:
         batch = [ids[i % len(ids)] for i in range(c)]
-        seq_tps = worker.call(lambda batch=batch: _hf_sequential(loaded, batch))
+        seq_tps = worker.call(lambda batch=batch: _hf_sequential(loaded, batch)) if c <= 16 else None
         gb_tps = worker.call(lambda batch=batch: _hf_generate_batch(loaded, batch))
+        dense_tps = _engine(dense, batch)
         eng_tps = _engine(engine, batch)
         row = {
             "concurrency": c,
             "generate_sequential_tok_s": seq_tps,
             "generate_batch_tok_s": gb_tps,
+            "dense_engine_tok_s": dense_tps,
             "engine_tok_s": eng_tps,
-            "vs_sequential": eng_tps / seq_tps,
+            "vs_sequential": eng_tps / seq_tps if seq_tps else None,
             "vs_generate_batch": eng_tps / gb_tps,
+            "vs_dense_engine": eng_tps / dense_tps,
         }
         rows.append(row)
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
+    mixed = {"paged": _mixed(engine, ids, tok), "dense": _mixed(dense, ids, tok)}
+    print("mixed", mixed, flush=True)
     memory = _queued_memory(engine, ids)
     print("memory", memory, flush=True)
     worker.stop()
     data = {
         "model": "embedded:smollm2-135m-instruct (large tier: fp32, oneDNN linears)",
+        "dense_engine_revision": DENSE_REV,
         "new_tokens": NEW_TOKENS,
         "rows": rows,
-        "memory_64_queued": memory,
-        "targets": {"vs_sequential_at_16": 6.0, "vs_generate_batch_at_16": 1.5},
+        "mixed_load": mixed,
+        "memory_64": memory,
+        "targets": {"vs_dense_engine_at_16": 1.0, "mixed_itl_p99_better_than_dense": True},
     }
     write_json("batching", data)
     _plot(rows)
 
 
-def _setup() -> tuple[Any, Any]:
+DENSE_REV = "65ad204"
+"""The last commit with the dense-slot engine."""
+
+
+def _setup() -> tuple[Any, Any, Any]:
+    from benchmarks.common import load_tiers_at
     from tiers.engine import Engine
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
@@ -79,11 +95,60 @@ def _setup() -> tuple[Any, Any]:
     loaded = load_model("embedded:smollm2-135m-instruct", quantization="none", dtype="float32")
     engine = Engine(
         "large",
-        ModelRunner(loaded, num_slots=16, max_model_len=512),
-        SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512, max_waiting=64),
+        ModelRunner(loaded, num_blocks=8192 // 16, block_size=16, max_model_len=512),
+        SchedulerConfig(max_num_seqs=64, max_model_len=512, max_num_batched_tokens=512, max_waiting=256),
     )
     engine.warmup()
-    return loaded, engine
+    old = load_tiers_at(DENSE_REV)
+    dense = old.engine.Engine(
+        "dense",
+        old.model_runner.ModelRunner(loaded, num_slots=16, max_model_len=512),
+        old.scheduler.SchedulerConfig(
+            max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512, max_waiting=256
+        ),
+    )
+    dense.warmup()
+    return loaded, engine, dense
+
+
+def _mixed(engine: Any, ids: list[list[int]], tok: Any) -> dict[str, float]:
+    """8 chats decode 96 tokens while 4 long prompts (~450 tokens) arrive; inter-token gaps of the
+    decoders, which long prefills stall when steps alternate."""
+    from tiers.sequence import SamplingParams
+
+    long_prompt = (tok.encode("Summarise the following text. " + "The river runs through the valley. " * 60))[
+        :450
+    ]
+
+    async def run() -> list[float]:
+        gaps: list[float] = []
+
+        async def decoder(p: list[int]) -> None:
+            last = None
+            async for out in engine.submit(p, SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)):
+                now = time.perf_counter()
+                if last is not None and out.token_ids:
+                    gaps.extend([(now - last) / len(out.token_ids)] * len(out.token_ids))
+                last = now
+
+        async def prefill(delay: float) -> None:
+            await asyncio.sleep(delay)
+            async for _ in engine.submit(
+                long_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            ):
+                pass
+
+        await asyncio.gather(
+            *(decoder(ids[i]) for i in range(8)), *(prefill(0.5 + 0.7 * i) for i in range(4))
+        )
+        return gaps
+
+    gaps = sorted(asyncio.run(run()))
+    return {
+        "itl_p50_ms": round(gaps[len(gaps) // 2] * 1000, 1),
+        "itl_p99_ms": round(gaps[int(len(gaps) * 0.99)] * 1000, 1),
+        "itl_max_ms": round(gaps[-1] * 1000, 1),
+    }
 
 
 def _hf_sequential(loaded: Any, batch: list[list[int]]) -> float:
@@ -142,7 +207,7 @@ def _engine(engine: Any, batch: list[list[int]]) -> float:
 
 
 def _queued_memory(engine: Any, ids: list[list[int]]) -> dict[str, float]:
-    """Submit 64 requests against 16 slots; sample RSS while they drain."""
+    """Submit 64 requests at once; sample RSS while they run."""
     from tiers.sequence import SamplingParams
 
     before = rss_mb()
@@ -193,12 +258,17 @@ def _plot(rows: list[dict[str, Any]]) -> None:
 
     c = [r["concurrency"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(c, [r["engine_tok_s"] for r in rows], "o-", label="tiered-router engine")
+    ax.plot(c, [r["engine_tok_s"] for r in rows], "o-", label="tiered-router engine (paged)")
+    ax.plot(
+        c, [r["dense_engine_tok_s"] for r in rows], "d-.", label=f"previous dense-slot engine ({DENSE_REV})"
+    )
     ax.plot(c, [r["generate_batch_tok_s"] for r in rows], "s--", label="transformers generate_batch")
-    ax.plot(c, [r["generate_sequential_tok_s"] for r in rows], "^:", label="generate() per request")
+    seq = [(r["concurrency"], r["generate_sequential_tok_s"]) for r in rows if r["generate_sequential_tok_s"]]
+    ax.plot([x for x, _ in seq], [y for _, y in seq], "^:", label="generate() per request")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("generated tokens / s")
-    ax.set_xticks(c)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(c, [str(x) for x in c])
     ax.set_title("Batching throughput, SmolLM2-135M fp32, 64 new tokens, greedy")
     ax.grid(alpha=0.3)
     ax.legend()

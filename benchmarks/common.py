@@ -100,7 +100,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @contextmanager
-def serve(policy: str | Path, port: int, *, log_level: str = "warning") -> Iterator[tuple[str, int]]:
+def serve(
+    policy: str | Path, port: int, *, log_level: str = "warning", extra_args: tuple[str, ...] = ()
+) -> Iterator[tuple[str, int]]:
     """Run ``tiered-router serve`` as a subprocess until every tier is ready; yields (url, pid)."""
     import httpx
 
@@ -119,6 +121,7 @@ def serve(policy: str | Path, port: int, *, log_level: str = "warning") -> Itera
             str(policy),
             "--port",
             str(port),
+            *extra_args,
         ],
         cwd=root,
         env=env,
@@ -140,3 +143,40 @@ def serve(policy: str | Path, port: int, *, log_level: str = "warning") -> Itera
     finally:
         server.terminate()
         server.wait(120)
+
+
+def load_tiers_at(rev: str) -> Any:
+    """The ``tiers`` package as it was at git revision ``rev``, importable side by side with
+    today's (as ``tiers_<rev>``): benchmarks compare an engine with its predecessor in one run."""
+    import importlib
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import types
+
+    name = f"tiers_{rev}"
+    if name in sys.modules:
+        return sys.modules[name]
+    root = Path(tempfile.mkdtemp(prefix="tiers-rev-"))
+    pkg = root / name
+    pkg.mkdir()
+    files = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "tiers/"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    for f in files:
+        if not f.endswith(".py"):
+            continue
+        src = subprocess.run(["git", "show", f"{rev}:{f}"], check=True, capture_output=True, text=True).stdout
+        (pkg / Path(f).name).write_text(re.sub(r"\btiers\.", f"{name}.", src))
+    sys.path.insert(0, str(root))
+    mod = importlib.import_module(name)
+    ns = types.SimpleNamespace(
+        **{
+            m: importlib.import_module(f"{name}.{m}")
+            for m in ("engine", "model_runner", "scheduler", "sequence")
+        }
+    )
+    ns.package = mod
+    sys.modules[name] = ns  # type: ignore[assignment]
+    return ns

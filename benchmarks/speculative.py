@@ -95,12 +95,12 @@ def _setup() -> tuple[Any, Any, Any, Any]:
         "embedded:smollm2-135m-instruct", quantization="int4", group_size=32
     )  # the medium tier
     cfg = SchedulerConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512)
-    plain = Engine("plain", ModelRunner(target, num_slots=16, max_model_len=512), cfg)
+    plain = Engine("plain", ModelRunner(target, num_blocks=512, max_model_len=512), cfg)
     spec = Engine(
         "spec",
-        ModelRunner(target, num_slots=16, max_model_len=512),
+        ModelRunner(target, num_blocks=512, max_model_len=512),
         cfg,
-        draft_runner=ModelRunner(draft, num_slots=16, max_model_len=512),
+        draft_runner=ModelRunner(draft, num_blocks=512, max_model_len=512),
         speculative_tokens=4,
     )
     plain.warmup()
