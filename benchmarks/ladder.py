@@ -37,10 +37,9 @@ def main() -> None:
 def _measure() -> dict[str, Any]:
     import torch
 
+    from tiers.block_manager import BlockTable
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner, RowInput
-
-    from tiers.block_manager import BlockTable
 
     runners = {
         name: ModelRunner(
