@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -226,17 +227,31 @@ class DrainingServer:
             await asyncio.sleep(0.05)
         admin_task = None
         if self.admin is not None and not task.done():
-            admin_task = loop.create_task(self.admin.serve())
+            admin_task = loop.create_task(self._serve_admin())
             while not self.admin.started and not admin_task.done():
                 await asyncio.sleep(0.05)
-            if admin_task.done():  # the admin port could not be bound: stop the API side too
-                self.server.should_exit = True
+            if admin_task.done():
+                # The admin port could not be bound (e.g. another instance holds it): keep serving,
+                # with the operator endpoints back on the API port behind auth - never silently open.
+                log.error(
+                    "admin port %s unavailable; /metrics, /dashboard and /schema are served on the API "
+                    "port behind auth instead",
+                    self.admin.config.port,
+                )
+                self.app.state.admin_separate = False
+                admin_task = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         await task
         if admin_task is not None:
             self.admin.should_exit = True  # type: ignore[union-attr]
             await admin_task
+
+    async def _serve_admin(self) -> None:
+        assert self.admin is not None
+        # uvicorn exits (SystemExit) when it cannot bind; that must not take the API down.
+        with contextlib.suppress(SystemExit):
+            await self.admin.serve()
 
     def _on_signal(self) -> None:
         self._signals += 1

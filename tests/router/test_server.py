@@ -123,7 +123,9 @@ def test_a_stalled_body_is_cut_with_408(served: tuple[str, str]) -> None:
         )
         s.settimeout(5)
         started = time.monotonic()
-        data = s.recv(500)
+        data = b""
+        while b'"request_timeout"' not in data and (part := s.recv(4096)):
+            data += part
         assert data.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
         assert b'"request_timeout"' in data
 
@@ -183,3 +185,42 @@ def test_keys_mode_without_keys_refuses_to_start(
     )
     assert res.returncode == 2, res.stderr
     assert "service.auth" in res.stderr and named in res.stderr
+
+
+def test_a_taken_admin_port_moves_operator_endpoints_behind_auth(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False, auth=KEYED))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = free_port()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--policy",
+                str(policy),
+                "--port",
+                str(port),
+                "--admin-port",
+                str(taken.getsockname()[1]),
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, TEST_SERVE_KEYS="sk-serve", TIERED_ROUTER_TORCH_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, proc)
+            assert httpx.get(url + "/metrics").status_code == 401
+            assert httpx.get(url + "/metrics", headers=KEY).status_code == 200
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=30)
+        assert "admin port" in out and "behind auth" in out
