@@ -30,6 +30,7 @@ from router.schemas import (
     validate_chat,
     validate_completion,
 )
+from router.session import SessionMemory, prior_key, record_key
 from router.sse import replay
 from router.structured import chat_messages, native_prompt_ids, output_spec
 from tiers.engine import EngineFullError
@@ -85,6 +86,17 @@ class RouterService:
         self.limiter = TenantLimiter()
         self._in_flight = InFlight()
         self.writer = ResponseWriter(telemetry, self._in_flight)
+        self._sessions: SessionMemory | None = None
+
+    def sessions(self, policy: Policy) -> SessionMemory | None:
+        """The conversation -> tier memory (router/session.py); rebuilt when a reload resizes it."""
+        cfg = policy.routing.sessions
+        if not cfg.enabled:
+            return None
+        mem = self._sessions
+        if mem is None or (mem.max_entries, mem.ttl_s) != (cfg.max_entries, cfg.ttl_s):
+            mem = self._sessions = SessionMemory(cfg.max_entries, cfg.ttl_s)
+        return mem
 
     @property
     def in_flight(self) -> int:
@@ -107,7 +119,12 @@ class RouterService:
 
     # -- routing -------------------------------------------------------------------------------
     def route(
-        self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
+        self,
+        ctx: CallContext,
+        model: str,
+        messages: list[dict[str, str]] | None,
+        prompt: str | None,
+        request: ChatCompletionRequest | CompletionRequest | None = None,
     ) -> Routed:
         policy = self.policy  # one snapshot for the whole request (hot reload swaps the attribute)
         with self.telemetry.span("classify", parent=ctx.span) as span:
@@ -129,10 +146,16 @@ class RouterService:
             deadline = client_deadline_s(ctx.headers, policy)
             pressures = tier_pressures(self.tiers, policy, deadline) if self.tiers is not None else {}
             load = {name: p.refuses for name, p in pressures.items()}
-            request = RouteRequest(
-                model=model, headers=ctx.headers, tenant=ctx.tenant, prompt_tokens=prompt_tokens
+            sessions = self.sessions(policy)
+            route_request = RouteRequest(
+                model=model,
+                headers=ctx.headers,
+                tenant=ctx.tenant,
+                prompt_tokens=prompt_tokens,
+                **_request_signals(messages, prompt, request),
+                session=sessions.get(prior_key(messages, ctx.headers, ctx.tenant)) if sessions else None,
             )
-            decision = decide(policy, request, score, load)
+            decision = decide(policy, route_request, score, load)
             span.set_attribute("router.tier", decision.tier)
             span.set_attribute("router.rule", decision.rule)
             span.set_attribute("router.reason", decision.reason)
@@ -257,9 +280,13 @@ class RouterService:
         self._identify(ctx)
         self._check_rate(ctx)
         req = gen.request
-        routed = self.route(ctx, req.model, gen.messages, gen.prompt)
+        routed = self.route(ctx, req.model, gen.messages, gen.prompt, request=req)
         d = routed.decision
         policy = routed.policy or self.policy
+        sessions = self.sessions(policy)
+        if sessions is not None and not d.rejected:
+            # What the next turn of this conversation will look up (router/session.py).
+            sessions.put(record_key(gen.messages, ctx.headers, ctx.tenant), d.tier)
         headers = {
             "x-router-tier": d.tier,
             "x-router-score": f"{routed.score.value:.4f}",
@@ -458,6 +485,28 @@ class RouterService:
             return True
         except TimeoutError:
             return False
+
+
+def _request_signals(
+    messages: list[dict[str, str]] | None,
+    prompt: str | None,
+    request: ChatCompletionRequest | CompletionRequest | None,
+) -> dict[str, Any]:
+    """The request-shape fields of ``RouteRequest`` (policy conditions ``has_tools``, ``keywords``...)."""
+    if messages is not None:
+        users = [m.get("content") or "" for m in messages if m.get("role") == "user"]
+        text, turns = (users[-1] if users else ""), len(users)
+    else:
+        text, turns = prompt or "", 1
+    signals: dict[str, Any] = {"text": text, "turns": turns}
+    if isinstance(request, ChatCompletionRequest):
+        fmt = request.response_format
+        signals["has_tools"] = bool(request.tools)
+        signals["response_format"] = fmt.type if fmt is not None and fmt.type else "text"
+        signals["logprobs"] = bool(request.logprobs)
+    elif isinstance(request, CompletionRequest):
+        signals["logprobs"] = request.logprobs is not None
+    return signals
 
 
 def system_fingerprint(tier: str, key: Any) -> str:

@@ -4,10 +4,13 @@ Order of evaluation:
 1. ``model`` other than ``auto``: a tier name forces that tier, an alias forces its tier; a name
    that a rule's ``when.model`` lists goes through the rules like ``auto``; anything else is an
    unknown model (404).
-2. Otherwise the rules, in order; the first whose conditions all hold picks the tier.
+2. Otherwise the rules, by descending ``priority`` then file order; the first whose conditions
+   all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
-4. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
-5. Load: a full tier falls back along ``routing.fallback`` (within the tenant's tiers); when the
+4. Session: a follow-up of a conversation that had a tier (``session``, see router/session.py)
+   never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.
+5. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
+6. Load: a full tier falls back along ``routing.fallback`` (within the tenant's tiers); when the
    chain ends, the decision is a rejection (429).
 """
 
@@ -19,6 +22,7 @@ from typing import Protocol
 
 from router.errors import ModelNotFoundError
 from router.policy.schema import Condition, Policy
+from router.policy.signals import detect_language, matches_keywords
 
 __all__ = ["Decision", "RouteRequest", "ScoreLike", "decide"]
 
@@ -39,6 +43,16 @@ class RouteRequest:
     """Lower-cased names."""
     tenant: str | None = None
     prompt_tokens: int = 0
+    text: str = ""
+    """The last user turn (the prompt of a completion): what ``keywords`` and ``language`` test."""
+    turns: int = 1
+    """User turns in the conversation."""
+    has_tools: bool = False
+    response_format: str = "text"
+    """``response_format.type``; ``text`` when absent."""
+    logprobs: bool = False
+    session: str | None = None
+    """The tier this conversation had before (router/session.py), if any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +66,8 @@ class Decision:
     fallback_from: str | None = None
     rejected: bool = False
     """True when every candidate tier was full: answer 429."""
+    session: str | None = None
+    """The conversation's earlier tier when it changed this decision (``rule`` is then ``session:<rule>``)."""
 
 
 def _matches(w: Condition, req: RouteRequest, score: ScoreLike) -> bool:
@@ -78,7 +94,27 @@ def _matches(w: Condition, req: RouteRequest, score: ScoreLike) -> bool:
                 return False
     if w.model is not None and req.model not in w.model:
         return False
-    return not (w.tenant is not None and req.tenant not in w.tenant)
+    if w.tenant is not None and req.tenant not in w.tenant:
+        return False
+    if w.has_tools is not None and req.has_tools != w.has_tools:
+        return False
+    if w.response_format is not None and req.response_format not in w.response_format:
+        return False
+    if w.logprobs is not None and req.logprobs != w.logprobs:
+        return False
+    if w.turns_at_least is not None and req.turns < w.turns_at_least:
+        return False
+    if w.turns_at_most is not None and req.turns > w.turns_at_most:
+        return False
+    if w.keywords is not None and not matches_keywords(req.text, w.keywords):
+        return False
+    if w.language is not None and detect_language(req.text) not in w.language:
+        return False
+    if w.all_of is not None and not all(_matches(c, req, score) for c in w.all_of):
+        return False
+    if w.any_of is not None and not any(_matches(c, req, score) for c in w.any_of):
+        return False
+    return not (w.not_ is not None and _matches(w.not_, req, score))
 
 
 def _cap(policy: Policy, tier: str, tenant: str | None) -> tuple[str, bool]:
@@ -97,6 +133,7 @@ def decide(
     """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free."""
     full = tier_load or {}
     escalated = False
+    session_changed: str | None = None
     if request.model != "auto" and request.model not in policy.rule_models:
         if request.model in policy.tiers:
             tier, rule, reason = request.model, f"model:{request.model}", "tier requested by name"
@@ -109,7 +146,7 @@ def decide(
                 f"The model '{request.model}' does not exist. Available: {known}.", param="model"
             )
     else:
-        for r in policy.routing.rules:
+        for _, r in policy.routing.ordered_rules:
             if r.when is None or _matches(r.when, request, score):
                 tier, rule = r.tier, r.name
                 reason = f"rule '{r.name}' matched" if r.when is not None else f"default rule '{r.name}'"
@@ -129,6 +166,13 @@ def decide(
             if above is not None:
                 reason += f"; escalated {tier} -> {above} (confidence {confidence:.2f} < {threshold})"
                 tier, escalated = above, True
+        session = request.session
+        if session is not None and session in policy.tiers and session != tier:
+            order = policy.tier_names
+            pin = policy.routing.sessions.mode == "pin"
+            if pin or order.index(session) > order.index(tier):
+                reason += f"; session: conversation was on '{session}' (rule picked '{tier}')"
+                tier, rule, session_changed = session, f"session:{rule}", session
     tier, capped = _cap(policy, tier, request.tenant)
     if capped:
         reason += f"; capped to '{tier}' for tenant '{request.tenant}'"
@@ -148,9 +192,12 @@ def decide(
                 capped,
                 fallback_from,
                 rejected=True,
+                session=session_changed,
             )
         fallback_from = fallback_from or tier
         reason += f"; '{tier}' full, fell back to '{nxt}'"
         tier = nxt
         seen.add(tier)
-    return Decision(tier, rule, reason, score.value, escalated, capped, fallback_from)
+    return Decision(
+        tier, rule, reason, score.value, escalated, capped, fallback_from, session=session_changed
+    )

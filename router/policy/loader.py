@@ -28,6 +28,7 @@ __all__ = ["load_policy", "parse_policy"]
 
 Path_ = tuple[str | int, ...]
 
+_LANGUAGE = re.compile(r"[a-z]{2}|und")
 _HEADER_SAFE = re.compile(r"[!-~](?:[ -~]{0,126}[!-~])?")
 """Printable ASCII, no leading/trailing space, at most 128 characters: names that end up in
 ``x-router-*`` response headers, metric labels and logs (no CR/LF, nothing outside latin-1)."""
@@ -103,6 +104,11 @@ def _convert(value: Any, tp: Any, path: Path_, ctx: _Ctx) -> Any:
         options = get_args(tp)
         if value is None and type(None) in options:
             return None
+        real = [opt for opt in options if opt is not type(None)]
+        if len(real) == 1:
+            # ``X | None``: report X's own errors, with their nested paths (a trial conversion
+            # would only say "expected X or null" about a mapping with one bad key deep inside).
+            return _convert(value, real[0], path, ctx)
         for opt in options:  # the first option that converts without errors wins
             if opt is type(None):
                 continue
@@ -177,7 +183,12 @@ def _convert_dataclass(value: Any, cls: Any, path: Path_, ctx: _Ctx) -> Any:
         ctx.error(path, f"expected a mapping, got {_describe(value)}")
         return _MISSING
     hints = get_type_hints(cls, vars(schema))
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("source", "digest")}
+    # YAML key -> field: a field may name its key in metadata (``not`` is a Python keyword).
+    fields = {
+        f.metadata.get("key", f.name): f
+        for f in dataclasses.fields(cls)
+        if f.name not in ("source", "digest")
+    }
     for key in value:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -188,9 +199,9 @@ def _convert_dataclass(value: Any, cls: Any, path: Path_, ctx: _Ctx) -> Any:
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name in value:
-            converted = _convert(value[name], hints[name], (*path, name), ctx)
+            converted = _convert(value[name], hints[f.name], (*path, name), ctx)
             if converted is not _MISSING:
-                kwargs[name] = converted
+                kwargs[f.name] = converted
             elif required:
                 ok = False
             # else: the error is recorded and the default stands in, so later checks still run
@@ -291,6 +302,10 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
     esc = routing.escalation.confidence_below
     if esc is not None and not 0 < esc <= 1:
         ctx.error(("routing", "escalation", "confidence_below"), "must be in (0, 1]")
+    if routing.sessions.max_entries < 1:
+        ctx.error(("routing", "sessions", "max_entries"), "must be >= 1")
+    if routing.sessions.ttl_s <= 0:
+        ctx.error(("routing", "sessions", "ttl_s"), "must be > 0")
     _check_rules(policy, ctx)
     for tenant, cfg in policy.tenants.items():
         _check_name(ctx, ("tenants", tenant), tenant, "tenant name")
@@ -336,7 +351,8 @@ def _check_rules(policy: Policy, ctx: _Ctx) -> None:
         return
     names: dict[str, int] = {}
     covered_below: tuple[float, int] | None = None  # highest score_below of score-only rules so far
-    for i, rule in enumerate(rules):
+    ordered = policy.routing.ordered_rules  # evaluation order: priority, then file order
+    for pos, (i, rule) in enumerate(ordered):
         p: Path_ = ("routing", "rules", i)
         if rule.name in names:
             ctx.error((*p, "name"), f"duplicate rule name '{rule.name}' (also rules[{names[rule.name]}])")
@@ -347,10 +363,9 @@ def _check_rules(policy: Policy, ctx: _Ctx) -> None:
                 (*p, "tier"),
                 f"names tier '{rule.tier}', which does not exist; tiers: {', '.join(policy.tiers)}",
             )
-        if i > 0 and rules[i - 1].when is None:
-            ctx.error(
-                p, f"unreachable: rules[{i - 1}] ('{rules[i - 1].name}') has no 'when' and matches everything"
-            )
+        if pos > 0 and ordered[pos - 1][1].when is None:
+            j, prev = ordered[pos - 1]
+            ctx.error(p, f"unreachable: rules[{j}] ('{prev.name}') has no 'when' and matches everything")
         w = rule.when
         if w is None:
             continue
@@ -363,18 +378,83 @@ def _check_rules(policy: Policy, ctx: _Ctx) -> None:
                     f"thresholds out of order: {w.score_below} must be greater than "
                     f"rules[{j}].when.score_below ({covered_below[0]}), or this rule never matches",
                 )
-            else:
-                covered_below = (w.score_below, i)
-        for j in range(i):
-            if rules[j].when == w:
+                continue
+            covered_below = (w.score_below, i)
+        for j, earlier in ordered[:pos]:
+            if earlier.when == w:
                 ctx.error(
-                    p, f"unreachable: rules[{j}] ('{rules[j].name}') has the same conditions and comes first"
+                    p, f"unreachable: rules[{j}] ('{earlier.name}') has the same conditions and comes first"
                 )
                 break
-    if rules[-1].when is not None:
-        ctx.error(
-            ("routing", "rules", len(rules) - 1), "the last rule must have no 'when' (the default rule)"
-        )
+            if earlier.when is not None and subsumes(earlier.when, w):
+                ctx.error(
+                    p,
+                    f"unreachable: rules[{j}] ('{earlier.name}') comes first and matches every request "
+                    "this rule matches (its conditions are a subset of these)",
+                )
+                break
+    last_i, last = ordered[-1]
+    if last.when is not None:
+        ctx.error(("routing", "rules", last_i), "the last rule must have no 'when' (the default rule)")
+
+
+def _looser_list(a: list[Any] | None, b: list[Any] | None) -> bool:
+    return a is None or (b is not None and set(b) <= set(a))
+
+
+def subsumes(a: Condition, b: Condition) -> bool:
+    """True when every request that ``b`` matches also matches ``a`` (conservative: False if unsure).
+
+    Each condition ``a`` sets must be implied by ``b``: the same field with an equal or stricter
+    value. Combinators only count when they are identical.
+    """
+    checks = (
+        a.score_below is None or (b.score_below is not None and b.score_below <= a.score_below),
+        a.score_at_least is None or (b.score_at_least is not None and b.score_at_least >= a.score_at_least),
+        a.confidence_below is None
+        or (b.confidence_below is not None and b.confidence_below <= a.confidence_below),
+        a.prompt_tokens_above is None
+        or (b.prompt_tokens_above is not None and b.prompt_tokens_above >= a.prompt_tokens_above),
+        a.prompt_tokens_at_most is None
+        or (b.prompt_tokens_at_most is not None and b.prompt_tokens_at_most <= a.prompt_tokens_at_most),
+        a.turns_at_least is None or (b.turns_at_least is not None and b.turns_at_least >= a.turns_at_least),
+        a.turns_at_most is None or (b.turns_at_most is not None and b.turns_at_most <= a.turns_at_most),
+        a.has_tools is None or a.has_tools == b.has_tools,
+        a.logprobs is None or a.logprobs == b.logprobs,
+        _looser_list(a.predicted, b.predicted),
+        _looser_list(a.model, b.model),
+        _looser_list(a.tenant, b.tenant),
+        _looser_list(a.response_format, b.response_format),
+        _looser_list(a.language, b.language),
+        a.keywords is None
+        or (
+            b.keywords is not None
+            and {k.casefold() for k in b.keywords} <= {k.casefold() for k in a.keywords}
+        ),
+        _looser_headers(a.headers, b.headers),
+        a.any_of is None or a.any_of == b.any_of,
+        a.all_of is None or a.all_of == b.all_of,
+        a.not_ is None or a.not_ == b.not_,
+    )
+    return all(checks)
+
+
+def _looser_headers(a: dict[str, str | list[str]] | None, b: dict[str, str | list[str]] | None) -> bool:
+    """Every header ``a`` requires, ``b`` requires too, with a subset of ``a``'s allowed values."""
+    if a is None:
+        return True
+    if b is None:
+        return False
+    b_lower = {k.lower(): v for k, v in b.items()}
+    for name, allowed in a.items():
+        other = b_lower.get(name.lower())
+        if other is None or not _looser_list(_header_values(allowed), _header_values(other)):
+            return False
+    return True
+
+
+def _header_values(v: str | list[str]) -> list[str]:
+    return [v] if isinstance(v, str) else list(v)
 
 
 def _check_condition(w: Condition, p: Path_, ctx: _Ctx) -> None:
@@ -395,6 +475,29 @@ def _check_condition(w: Condition, p: Path_, ctx: _Ctx) -> None:
     for i, cls in enumerate(w.predicted or []):
         if cls not in ("small", "medium", "large"):
             ctx.error((*p, "predicted", i), f"must be small, medium or large, got '{cls}'")
+    for fname in ("turns_at_least", "turns_at_most", "prompt_tokens_above", "prompt_tokens_at_most"):
+        v = getattr(w, fname)
+        if v is not None and v < 0:
+            ctx.error((*p, fname), f"must be >= 0, got {v}")
+    if w.turns_at_least is not None and w.turns_at_most is not None and w.turns_at_least > w.turns_at_most:
+        ctx.error((*p, "turns_at_least"), "must be at most turns_at_most, or the rule never matches")
+    for fname in ("keywords", "language", "response_format", "any_of", "all_of"):
+        if getattr(w, fname) == []:
+            ctx.error((*p, fname), "is an empty list and never matches; remove it or name at least one")
+    for i, kw in enumerate(w.keywords or []):
+        if not kw.strip():
+            ctx.error((*p, "keywords", i), "must not be blank")
+    for i, code in enumerate(w.language or []):
+        if not _LANGUAGE.fullmatch(code):
+            ctx.error(
+                (*p, "language", i),
+                f"must be an ISO 639-1 code such as 'en' or 'zh' (or 'und'), got '{code}'",
+            )
+    for fname in ("any_of", "all_of"):
+        for i, sub in enumerate(getattr(w, fname) or []):
+            _check_condition(sub, (*p, fname, i), ctx)
+    if w.not_ is not None:
+        _check_condition(w.not_, (*p, "not"), ctx)
     if all(getattr(w, f.name) is None for f in dataclasses.fields(w)):
         ctx.error(p, "is empty; remove 'when' for a default rule")
 

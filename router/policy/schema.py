@@ -21,6 +21,7 @@ __all__ = [
     "Rule",
     "SemanticCacheConfig",
     "ServiceConfig",
+    "SessionConfig",
     "TelemetryConfig",
     "TenantConfig",
     "TierConfig",
@@ -118,27 +119,42 @@ class Condition:
     """The request's ``model`` field is one of these."""
     tenant: list[str] | None = None
     """The caller's tenant (from its API key, else the ``x-tenant`` header)."""
+    has_tools: bool | None = None
+    """The request offers tools (``tools`` non-empty) - or, with false, offers none."""
+    response_format: list[Literal["text", "json_object", "json_schema"]] | None = None
+    """The request's ``response_format.type`` is one of these (absent counts as ``text``)."""
+    logprobs: bool | None = None
+    """The request asks for log probabilities (``logprobs: true``) - or, with false, does not."""
+    turns_at_least: int | None = None
+    """At least this many user turns in the conversation (a completion counts as 1)."""
+    turns_at_most: int | None = None
+    """At most this many user turns."""
+    keywords: list[str] | None = None
+    """The last user turn contains one of these words or phrases (case-insensitive, whole words)."""
+    language: list[str] | None = None
+    """The last user turn's language is one of these ISO 639-1 codes (``en``, ``de``, ``zh``...; a
+    script and stop-word heuristic, ``und`` when unsure - see router/policy/signals.py)."""
+    any_of: list[Condition] | None = None
+    """At least one of these conditions holds."""
+    all_of: list[Condition] | None = None
+    """Every one of these conditions holds."""
+    not_: Condition | None = field(default=None, metadata={"key": "not"})
+    """YAML key ``not``: this condition does not hold."""
 
     @property
     def uses_score(self) -> bool:
-        return any(
+        direct = any(
             v is not None
             for v in (self.score_below, self.score_at_least, self.predicted, self.confidence_below)
         )
+        nested = [*(self.any_of or []), *(self.all_of or []), *([self.not_] if self.not_ is not None else [])]
+        return direct or any(c.uses_score for c in nested)
 
     @property
     def is_score_only(self) -> bool:
-        return self.uses_score and all(
-            v is None
-            for v in (
-                self.predicted,
-                self.confidence_below,
-                self.prompt_tokens_above,
-                self.prompt_tokens_at_most,
-                self.headers,
-                self.model,
-                self.tenant,
-            )
+        """Only ``score_below`` / ``score_at_least`` are set (the rules calibrate writes)."""
+        return (self.score_below is not None or self.score_at_least is not None) and all(
+            getattr(self, f) is None for f in self.__slots__ if f not in ("score_below", "score_at_least")
         )
 
 
@@ -148,6 +164,22 @@ class Rule:
     """Shown in ``x-router-rule``, ``/v1/route``, spans and metrics."""
     tier: str
     when: Condition | None = None
+    priority: int = 0
+    """Rules are evaluated by descending priority; equal priorities keep their order in the file."""
+
+
+@dataclass(slots=True)
+class SessionConfig:
+    """Session-aware routing (router/session.py): follow-ups of a conversation keep its tier."""
+
+    enabled: bool = True
+    mode: Literal["floor", "pin"] = "floor"
+    """``floor``: a follow-up may go up but never below the tier the conversation had; ``pin``:
+    it stays on that tier (whose prefix cache holds the context) either way."""
+    max_entries: int = 100_000
+    """Conversations remembered (least recently used are forgotten first); ~200 bytes each."""
+    ttl_s: float = 3600.0
+    """A conversation idle this long is forgotten."""
 
 
 @dataclass(slots=True)
@@ -166,6 +198,12 @@ class Routing:
     fallback: dict[str, str | None] = field(default_factory=dict)
     """When a tier's queue is full, try this tier instead; null (or absent) = reject with 429."""
     escalation: EscalationConfig = field(default_factory=EscalationConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+
+    @property
+    def ordered_rules(self) -> list[tuple[int, Rule]]:
+        """``(index in the file, rule)`` in evaluation order: descending priority, then file order."""
+        return sorted(enumerate(self.rules), key=lambda ir: -ir[1].priority)
 
 
 @dataclass(slots=True)
