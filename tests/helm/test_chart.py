@@ -258,18 +258,37 @@ def test_image_is_configurable(render: Callable[..., Rendered]) -> None:
 
 
 def test_ports_service_and_metrics(each: Rendered) -> None:
-    assert each.container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert each.container["ports"] == [
+        {"name": "http", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "admin", "containerPort": 8081, "protocol": "TCP"},
+    ]
+    args = each.container["args"]
+    assert (
+        args[args.index("--admin-port") + 1] == "8081" and args[args.index("--admin-host") + 1] == "0.0.0.0"
+    )
     svc = each.get("Service")["spec"]
     assert svc["type"] == "ClusterIP"
+    # The API Service carries only the API: operator endpoints never ride on it.
     assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    admin = each.get("Service", f"{FULLNAME}-admin")
+    assert admin["spec"]["type"] == "ClusterIP"
+    assert admin["spec"]["ports"] == [
+        {"name": "admin", "port": 8081, "targetPort": "admin", "protocol": "TCP"}
+    ]
+    assert admin["metadata"]["labels"]["app.kubernetes.io/component"] == "admin"
 
 
-def test_service_monitor_scrapes_metrics(multi: Rendered) -> None:
+def test_service_monitor_scrapes_the_admin_port(multi: Rendered, render: Callable[..., Rendered]) -> None:
     sm = multi.get("ServiceMonitor")
     (endpoint,) = sm["spec"]["endpoints"]
-    assert endpoint["port"] == "http"
+    assert endpoint["port"] == "admin"
     assert endpoint["path"] == "/metrics"
-    assert sm["spec"]["selector"]["matchLabels"] == multi.deployment["spec"]["selector"]["matchLabels"]
+    selector = sm["spec"]["selector"]["matchLabels"]
+    admin = multi.get("Service", f"{FULLNAME}-admin")
+    assert selector.items() <= admin["metadata"]["labels"].items()
+    assert not selector.items() <= multi.get("Service")["metadata"]["labels"].items()  # not the API one
+    r = render({"serviceMonitor": {"enabled": True}, "adminPort": 9464})
+    assert r.get("Service", f"{FULLNAME}-admin")["spec"]["ports"][0]["port"] == 9464
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
