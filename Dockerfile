@@ -21,6 +21,8 @@ RUN pip install --no-cache-dir ${TORCH} \
  && mkdir -p /models && chown router /models
 
 USER 10001
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["tiered-router"]
-CMD ["serve", "--policy", "/app/policies/default.yaml", "--host", "0.0.0.0", "--port", "8080"]
+# The embedded default policy has no auth (mode: open), which serve refuses off loopback unless
+# told: this image is a local trial. Deployments pass a keys-mode policy (the Helm chart does).
+CMD ["serve", "--policy", "/app/policies/default.yaml", "--host", "0.0.0.0", "--port", "8080", "--admin-host", "0.0.0.0", "--allow-open"]
