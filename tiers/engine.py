@@ -406,11 +406,15 @@ class Engine:
             if seq.params.logit_bias:
                 apply_logit_bias(logits[r : r + 1], seq.params.logit_bias)
             masks.append(self._mask_row(seq, logits[r]))
-        probs = probs_batch(logits, [s.params for s in seqs])
+        # Greedy rows need only the argmax; the law of a sampled row's draft is kept for the
+        # acceptance rule.
+        tokens = logits.argmax(dim=-1)
         sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
-        tokens = probs.argmax(dim=-1)
+        probs: dict[int, torch.Tensor] = {}
         if sampled:
-            tokens[sampled] = draw(probs[sampled], [None] * len(sampled), self._shared_generator)
+            p = probs_batch(logits[sampled], [seqs[r].params for r in sampled])
+            tokens[sampled] = draw(p, [None] * len(sampled), self._shared_generator)
+            probs = {r: p[j] for j, r in enumerate(sampled)}
         out: list[int | None] = []
         for r, seq in enumerate(seqs):
             tok = int(tokens[r])
@@ -424,11 +428,13 @@ class Engine:
                 drafts[r].masks.append(mask)
                 if c.is_terminated:
                     drafts[r].tokens.append(tok)
-                    drafts[r].probs.append(probs[r])
+                    if r in probs:
+                        drafts[r].probs.append(probs[r])
                     out.append(None)
                     continue
             drafts[r].tokens.append(tok)
-            drafts[r].probs.append(probs[r])
+            if r in probs:
+                drafts[r].probs.append(probs[r])
             out.append(tok)
         return out
 
@@ -476,45 +482,68 @@ class Engine:
             owners.append(i)
         if not chunks:
             return
-        flat = torch.cat(chunks)
-        params = [seqs[i].params for i, c in zip(owners, chunks, strict=True) for _ in range(c.shape[0])]
-        probs = probs_batch(flat, params)
-        want_lp = any(seqs[i].params.logprobs is not None for i in owners)
-        logprobs = torch.log_softmax(flat, dim=-1) if want_lp else None
-        # 2. Acceptance over the speculating rows at once; plain rows take position 0.
+        flat = torch.cat(chunks)  # [M, V]
         offsets = [0]
         for c in chunks:
             offsets.append(offsets[-1] + c.shape[0])
-        spec = [r for r, i in enumerate(owners) if drafts[i] is not None and drafts[i].tokens]  # type: ignore[union-attr]
+        want_lp = any(seqs[i].params.logprobs is not None for i in owners)
+        logprobs = torch.log_softmax(flat, dim=-1) if want_lp else None
+        argmax = flat.argmax(dim=-1).tolist()  # [M]
+        # 2. Greedy rows: accept drafts while the target's argmax agrees, then take its argmax;
+        #    no vocabulary-sized tensor is built for them.
         accepted = [0] * len(owners)
-        next_dist: list[torch.Tensor] = [probs[offsets[r]] for r in range(len(owners))]
-        if spec:
-            k = max(len(drafts[owners[r]].tokens) for r in spec)  # type: ignore[union-attr]
-            vocab = probs.shape[1]
-            d_tok = torch.zeros((len(spec), k), dtype=torch.long)
-            d_num = torch.zeros(len(spec), dtype=torch.long)
-            p = torch.zeros((len(spec), k, vocab))
-            q = torch.zeros((len(spec), k + 1, vocab))
-            for j, r in enumerate(spec):
-                d = drafts[owners[r]]
-                assert d is not None
-                n = len(d.tokens)
-                d_tok[j, :n] = torch.tensor(d.tokens)
-                d_num[j] = n
-                p[j, :n] = torch.stack(d.probs)
-                q[j, : n + 1] = probs[offsets[r] : offsets[r] + n + 1]
-            uniform = torch.rand((len(spec), k), generator=self._shared_generator)
-            num_acc, dist = accept_batch(d_tok, d_num, p, q, uniform)
-            for j, r in enumerate(spec):
-                accepted[r] = int(num_acc[j])
-                next_dist[r] = dist[j]
-        # 3. The next token of every row: argmax for greedy rows, one batched draw for the rest.
-        dists = torch.stack(next_dist)
-        tokens = dists.argmax(dim=-1)
-        sampled = [r for r, i in enumerate(owners) if not seqs[i].params.is_greedy]
+        tokens: list[int] = [0] * len(owners)
+        sampled: list[int] = []
+        for r, i in enumerate(owners):
+            if not seqs[i].params.is_greedy:
+                sampled.append(r)
+                continue
+            d = drafts[i]
+            best = argmax[offsets[r] : offsets[r + 1]]
+            m = 0
+            if d is not None:
+                while m < len(d.tokens) and d.tokens[m] == best[m]:
+                    m += 1
+            accepted[r], tokens[r] = m, best[m]
+        # 3. Sampled rows: their laws in one batched pass, the acceptance rule over the
+        #    speculating ones at once, then one batched draw.
         if sampled:
+            pos = [j for r in sampled for j in range(offsets[r], offsets[r + 1])]
+            probs = probs_batch(
+                flat[pos], [seqs[owners[r]].params for r in sampled for _ in range(chunks[r].shape[0])]
+            )
+            local = {}
+            at = 0
+            for r in sampled:
+                local[r] = at
+                at += chunks[r].shape[0]
+            next_dist = [probs[local[r]] for r in sampled]
+            spec = [j for j, r in enumerate(sampled) if _num_drafted(drafts[owners[r]])]
+            if spec:
+                k = max(_num_drafted(drafts[owners[sampled[j]]]) for j in spec)
+                vocab = probs.shape[1]
+                d_tok = torch.zeros((len(spec), k), dtype=torch.long)
+                d_num = torch.zeros(len(spec), dtype=torch.long)
+                p = torch.zeros((len(spec), k, vocab))
+                q = torch.zeros((len(spec), k + 1, vocab))
+                for row, j in enumerate(spec):
+                    r = sampled[j]
+                    d = drafts[owners[r]]
+                    assert d is not None
+                    n = len(d.tokens)
+                    d_tok[row, :n] = torch.tensor(d.tokens)
+                    d_num[row] = n
+                    p[row, :n] = torch.stack(d.probs)
+                    q[row, : n + 1] = probs[local[r] : local[r] + n + 1]
+                uniform = torch.rand((len(spec), k), generator=self._shared_generator)
+                num_acc, dist = accept_batch(d_tok, d_num, p, q, uniform)
+                for row, j in enumerate(spec):
+                    accepted[sampled[j]] = int(num_acc[row])
+                    next_dist[j] = dist[row]
             gens = [self._generator(seqs[owners[r]]) for r in sampled]
-            tokens[sampled] = draw(dists[sampled], gens, self._shared_generator)
+            drawn = draw(torch.stack(next_dist), gens, self._shared_generator).tolist()
+            for j, r in enumerate(sampled):
+                tokens[r] = int(drawn[j])
         # 4. Apply: computed counts, matcher state, logprobs, postprocess.
         drafted_total = accepted_total = 0
         for r, i in enumerate(owners):
@@ -522,7 +551,7 @@ class Engine:
             d = drafts[i]
             num_drafted = len(d.tokens) if d is not None else 0
             m = accepted[r]
-            new = (d.tokens[:m] if d is not None else []) + [int(tokens[r])]
+            new = (d.tokens[:m] if d is not None else []) + [tokens[r]]
             base = seq.num_tokens
             if num_drafted:
                 drafted_total += num_drafted
@@ -678,6 +707,10 @@ class Engine:
                     started = time.perf_counter()
                     _forward_scratch(runner, [[prompt[0]] * tokens] * b, start=ctx)
                     record(b, tokens, time.perf_counter() - started)
+
+
+def _num_drafted(d: _Draft | None) -> int:
+    return len(d.tokens) if d is not None else 0
 
 
 def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:

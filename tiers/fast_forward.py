@@ -52,24 +52,52 @@ class FastDecoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.scale = self.head_dim**-0.5
         self.group = self.num_heads // self.num_kv_heads
-        self.layers = [
-            (
-                layer.input_layernorm.weight,
-                layer.input_layernorm.variance_epsilon,
-                layer.self_attn.q_proj,
-                layer.self_attn.k_proj,
-                layer.self_attn.v_proj,
-                layer.self_attn.o_proj,
-                layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.variance_epsilon,
-                layer.mlp.gate_proj,
-                layer.mlp.up_proj,
-                layer.mlp.down_proj,
-            )
-            for layer in self.base.layers
-        ]
+        self.layers = [self._fused_layer(layer) for layer in self.base.layers]
         self.norm_weight = self.base.norm.weight
         self.norm_eps = self.base.norm.variance_epsilon
+
+    @staticmethod
+    def _fuse(owner: Any, names: tuple[str, ...]) -> tuple[Any, list[int]]:
+        """One projection module for ``names`` of ``owner`` (q/k/v, gate/up) and the split sizes.
+        The originals become slices of it, so the weights exist once; a second runner on the same
+        model finds the fused module already there."""
+        from tiers.quant import FusedSlice, fuse_linears
+
+        mods = [getattr(owner, n) for n in names]
+        sizes = [int(m.out_features) for m in mods]
+        if all(isinstance(m, FusedSlice) for m in mods) and len({id(m.fused) for m in mods}) == 1:
+            return mods[0].fused, sizes
+        fused = fuse_linears(mods)
+        if fused is None:  # unfusable mix: call them one by one
+            return mods, sizes
+        start = 0
+        for n, size in zip(names, sizes, strict=True):
+            setattr(owner, n, FusedSlice(fused, start, start + size))
+            start += size
+        return fused, sizes
+
+    def _fused_layer(self, layer: Any) -> tuple[Any, ...]:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_sizes = self._fuse(attn, ("q_proj", "k_proj", "v_proj"))
+        gate_up, gu_sizes = self._fuse(mlp, ("gate_proj", "up_proj"))
+        return (
+            layer.input_layernorm.weight,
+            layer.input_layernorm.variance_epsilon,
+            qkv,
+            qkv_sizes,
+            attn.o_proj,
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+            gate_up,
+            gu_sizes,
+            mlp.down_proj,
+        )
+
+    @staticmethod
+    def _project(mod: Any, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        if isinstance(mod, list):
+            return [m(x) for m in mod]
+        return list(mod(x).split(sizes, dim=-1))
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,11 +131,14 @@ class FastDecoder:
         cos, sin = self.base.rotary_emb(h, positions[None])  # [1, N, head_dim]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, head_dim]
         heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        for i, (w_in, eps_in, q_p, k_p, v_p, o_p, w_post, eps_post, gate, up, down) in enumerate(self.layers):
+        for i, (w_in, eps_in, qkv, qkv_sizes, o_p, w_post, eps_post, gate_up, gu_sizes, down) in enumerate(
+            self.layers
+        ):
             x = self._rms_norm(h, w_in, eps_in)
-            q = self._rotate(q_p(x).view(n, heads, dim), cos, sin)
-            k = self._rotate(k_p(x).view(n, kv_heads, dim), cos, sin)
-            v = v_p(x).view(n, kv_heads, dim)
+            q_x, k_x, v_x = self._project(qkv, x, qkv_sizes)  # one fused projection
+            q = self._rotate(q_x.reshape(n, heads, dim), cos, sin)
+            k = self._rotate(k_x.reshape(n, kv_heads, dim), cos, sin)
+            v = v_x.reshape(n, kv_heads, dim)
             pool = kv_pool[i]  # [blocks, block_size, 2, kv_heads, dim]
             # One write per layer: K and V of every new token at its slot.
             pool.view(-1, 2, kv_heads, dim).index_copy_(0, slots, torch.stack((k, v), dim=1).to(pool.dtype))
@@ -133,5 +164,6 @@ class FastDecoder:
                 )
             h = h + o_p(out.view(n, heads * dim))
             x = self._rms_norm(h, w_post, eps_post)
-            h = h + down(F.silu(gate(x)) * up(x))
+            gate, up = self._project(gate_up, x, gu_sizes)
+            h = h + down(F.silu(gate) * up)
         return self._rms_norm(h, self.norm_weight, self.norm_eps)

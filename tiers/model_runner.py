@@ -6,9 +6,10 @@ token-major block layout, K and V side by side so each layer's new keys and valu
 generic path write there. Which block holds which token is the ``BlockManager``'s business
 (``block_manager.py``, owned here so a tier and the tier it drafts for share one pool).
 
-The pool is allocated with ``torch.empty``: the OS hands out zeroed pages only when first
-written, so resident memory follows the blocks actually used (the budget is an upper bound), and
-unused positions read as zeros, never NaN.
+The pool is allocated with ``torch.empty`` and each block is zeroed the first time a forward
+uses it: resident memory follows the blocks actually used (the budget is an upper bound), and
+attention never reads uninitialised memory - positions past a row's length are masked, but a NaN
+there would still poison ``softmax(QK) @ V`` (0 x NaN = NaN).
 
 A forward takes rows of ``(block table, start position, tokens)``. Two paths:
 
@@ -153,6 +154,8 @@ class ModelRunner:
         self.scratch_block = num_blocks
         shape = (self.num_layers, num_blocks + 1, block_size, 2, self.num_kv_heads, self.head_dim)
         self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv[:, self.scratch_block].zero_()
+        self._zeroed = bytearray(num_blocks)
         self.base = self.model.base_model
         # Llama-family models skip HF's layer stack for a lean loop over the same modules.
         self.fast = FastDecoder(self.model) if fast_path and supports_fast_path(self.model) else None
@@ -189,9 +192,17 @@ class ModelRunner:
         per fed token), ``None`` for ``none``."""
         if not rows:
             return []
+        self._zero_new_blocks(rows)
         if self.fast is not None:
             return self._forward_flat(rows)
         return self._forward_padded(rows)
+
+    def _zero_new_blocks(self, rows: list[RowInput]) -> None:
+        fresh = sorted({b for r in rows for b in r.block_table if not self._zeroed[b]})
+        if fresh:
+            self.kv[:, fresh] = 0
+            for b in fresh:
+                self._zeroed[b] = 1
 
     def _forward_flat(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
         assert self.fast is not None

@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 __all__ = [
+    "FusedSlice",
     "Int4WeightOnlyLinear",
     "Int8WeightOnlyLinear",
     "OneDnnLinear",
     "QuantMethod",
+    "fuse_linears",
     "quantize_model",
     "use_onednn_linears",
 ]
@@ -196,3 +198,75 @@ def quantize_model(
             else:
                 setattr(parent, name, Int8WeightOnlyLinear(child))
     return model
+
+
+def fuse_linears(mods: list[Any]) -> nn.Module | None:
+    """One module computing ``cat([m(x) for m in mods], -1)``, or None when they cannot be fused.
+
+    Why: on the CPU a 135M-parameter step is dominated by per-call overhead, and q/k/v (and
+    gate/up) read the same input; one call over the concatenated weight measured 3-6x faster than
+    three, with bitwise-equal outputs (each output column is the same dot product). Quantized
+    weights are concatenated in their packed form along the output axis, which is how the packed
+    layouts are laid out, so nothing is re-quantized.
+    """
+    first = mods[0]
+    if not all(type(m) is type(first) for m in mods) or any(
+        getattr(m, "in_features", None) != first.in_features for m in mods
+    ):
+        return None
+    out_features = sum(int(m.out_features) for m in mods)
+    biases = [getattr(m, "bias", None) for m in mods]
+    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        return None
+    if isinstance(first, nn.Linear):
+        fused = nn.Linear(first.in_features, out_features, bias=biases[0] is not None)
+        fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([m.weight for m in mods]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([m.bias for m in mods]))
+        fused.requires_grad_(False)
+        return fused
+    if isinstance(first, OneDnnLinear):
+        dense = nn.Linear(first.in_features, out_features, bias=biases[0] is not None)
+        with torch.no_grad():
+            dense.weight.copy_(torch.cat([m.weight_packed.to_dense() for m in mods]))
+            if dense.bias is not None:
+                dense.bias.copy_(torch.cat([m.bias_packed.to_dense() for m in mods]))
+        return OneDnnLinear(dense)
+    if isinstance(first, Int8WeightOnlyLinear):
+        out = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
+        nn.Module.__init__(out)
+        out.register_buffer("weight_q", torch.cat([m.weight_q for m in mods]))
+        out.register_buffer("scale", torch.cat([m.scale for m in mods]))
+        out.register_buffer("bias", bias)
+        out.in_features, out.out_features = first.in_features, out_features
+        return out
+    if isinstance(first, Int4WeightOnlyLinear):
+        if any(m.group_size != first.group_size or m._packed_cpu != first._packed_cpu for m in mods):
+            return None
+        q4 = Int4WeightOnlyLinear.__new__(Int4WeightOnlyLinear)
+        nn.Module.__init__(q4)
+        q4.group_size, q4.in_features, q4.out_features = first.group_size, first.in_features, out_features
+        q4._packed_cpu = first._packed_cpu
+        q4.register_buffer("weight_q", torch.cat([m.weight_q for m in mods]))
+        q4.register_buffer("scales_and_zeros", torch.cat([m.scales_and_zeros for m in mods], dim=1))
+        q4.register_buffer("bias", bias)
+        return q4
+    return None
+
+
+class FusedSlice(nn.Module):
+    """Stands in for one of the modules ``fuse_linears`` merged, so code that calls the original
+    (HF's generic forward) still works without keeping a second copy of the weights."""
+
+    def __init__(self, fused: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        self.fused = fused
+        self.start, self.end = start, end
+        self.in_features = fused.in_features
+        self.out_features = end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.end]

@@ -71,3 +71,26 @@ def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert isinstance(model.lm_head, Int8WeightOnlyLinear)  # the head stays int8 even under int4
     assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings untouched
+
+
+@pytest.mark.parametrize("kind", ["linear", "onednn", "int8", "int4"])
+def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None:
+    """q/k/v fused into one call give exactly the separate outputs (the fast path relies on it)."""
+    from torch import nn
+
+    from tiers.quant import FusedSlice, Int4WeightOnlyLinear, Int8WeightOnlyLinear, OneDnnLinear, fuse_linears
+
+    torch.manual_seed(0)
+    make = {
+        "linear": lambda m: m,
+        "onednn": OneDnnLinear,
+        "int8": Int8WeightOnlyLinear,
+        "int4": lambda m: Int4WeightOnlyLinear(m, 32),
+    }[kind]
+    mods = [make(nn.Linear(256, n, bias=False)) for n in (256, 64, 64)]
+    fused = fuse_linears(mods)
+    assert fused is not None and fused.out_features == 384
+    x = torch.randn(5, 256, dtype=torch.bfloat16 if kind in ("int8", "int4") else torch.float32)
+    with torch.no_grad():
+        assert torch.equal(fused(x), torch.cat([m(x) for m in mods], dim=-1))
+        assert torch.equal(FusedSlice(fused, 256, 320)(x), mods[1](x))
