@@ -10,13 +10,22 @@ open (remote) or its predicted wait exceeds the budget; ``decide()`` treats a re
 full, so the policy's ``routing.fallback`` picks a tier with headroom, and a request with no such
 tier gets 429 (or 503 for an open circuit) with a ``Retry-After`` computed from the prediction,
 instead of waiting past any realistic client timeout.
+
+Fairness: ``FairShare`` keeps, per tier, each caller's admitted requests (tenant, or key for keys
+without one). While several callers have used a tier recently, none may hold more than an equal
+share of the tier's ``max_num_seqs + max_queue``; a caller at its share finds the tier full (the
+fallback applies, else 429), so one tenant flooding a tier cannot starve the others. A caller
+alone on a tier may use all of it.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError, OverloadedError, RouterError, UnavailableError
 
@@ -27,7 +36,14 @@ if TYPE_CHECKING:
     from router.policy.decide import Decision
     from router.policy.schema import Policy
 
-__all__ = ["DEADLINE_HEADER", "TierPressure", "client_deadline_s", "rejection", "tier_pressures"]
+__all__ = [
+    "DEADLINE_HEADER",
+    "FairShare",
+    "TierPressure",
+    "client_deadline_s",
+    "rejection",
+    "tier_pressures",
+]
 
 DEADLINE_HEADER = "x-request-timeout"
 
@@ -42,10 +58,88 @@ class TierPressure:
     """The most this request may wait on this tier."""
     circuit_open_s: float | None = None
     """Remote tiers: seconds until the open circuit lets a trial through."""
+    over_share: bool = False
+    """The caller already holds its fair share of this tier."""
 
     @property
     def refuses(self) -> bool:
-        return self.full or self.circuit_open_s is not None or self.wait_s > self.budget_s
+        return self.full or self.over_share or self.circuit_open_s is not None or self.wait_s > self.budget_s
+
+
+class FairShare:
+    """Per tier: admitted requests per caller, and which callers used the tier lately."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._held: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._seen: defaultdict[str, dict[str, float]] = defaultdict(dict)
+
+    def _active(self, tier: str, now: float) -> dict[str, float]:
+        seen = self._seen[tier]
+        for caller in [c for c, t in seen.items() if now - t > self.window_s and not self._held[tier][c]]:
+            del seen[caller]
+        return seen
+
+    def note(self, tier: str, caller: str | None) -> None:
+        """``caller`` wants ``tier`` (admitted or refused): it counts in the tier's share split."""
+        if caller is not None:
+            self._seen[tier][caller] = time.monotonic()
+
+    def over_share(self, tier: str, caller: str | None, capacity: int) -> bool:
+        """True when ``caller`` holds its share of ``tier`` already."""
+        if caller is None:
+            return False
+        active = self._active(tier, time.monotonic())
+        callers = len(active) + (caller not in active)
+        return self._held[tier][caller] >= max(1, capacity // callers)
+
+    def hold(self, tier: str, caller: str | None, source: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """``source``, counted against ``caller`` on ``tier`` until it ends or is closed."""
+        if caller is None:
+            return source
+        self.note(tier, caller)
+        held = self._held[tier]
+        held[caller] += 1
+
+        def release() -> None:
+            held[caller] -= 1
+            if held[caller] <= 0:
+                del held[caller]
+
+        return _Held(source, release)
+
+
+class _Held:
+    """An async iterator that runs ``release`` exactly once: at its end, on ``aclose()``, or when
+    dropped unstarted (an async generator that never started runs no ``finally``)."""
+
+    def __init__(self, inner: AsyncIterator[Any], release: Callable[[], None]) -> None:
+        self._inner = inner
+        self._release: Callable[[], None] | None = release
+
+    def _done(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __aiter__(self) -> _Held:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await anext(self._inner)
+        except BaseException:
+            self._done()
+            raise
+
+    async def aclose(self) -> None:
+        self._done()
+        close = getattr(self._inner, "aclose", None)
+        if close is not None:
+            await close()
+
+    def __del__(self) -> None:
+        self._done()
 
 
 def client_deadline_s(headers: Mapping[str, str], policy: Policy) -> float | None:
@@ -65,7 +159,13 @@ def client_deadline_s(headers: Mapping[str, str], policy: Policy) -> float | Non
     return min(value, policy.service.max_request_timeout_s)
 
 
-def tier_pressures(tiers: TierSet, policy: Policy, deadline_s: float | None) -> dict[str, TierPressure]:
+def tier_pressures(
+    tiers: TierSet,
+    policy: Policy,
+    deadline_s: float | None,
+    fair: FairShare | None = None,
+    caller: str | None = None,
+) -> dict[str, TierPressure]:
     out: dict[str, TierPressure] = {}
     for name, backend in tiers.tiers.items():
         cfg = policy.tiers.get(name)
@@ -78,6 +178,7 @@ def tier_pressures(tiers: TierSet, policy: Policy, deadline_s: float | None) -> 
             wait_s=float(getattr(load, "predicted_wait_s", 0.0) or 0.0),
             budget_s=budget,
             circuit_open_s=getattr(load, "circuit_open_s", None),
+            over_share=fair is not None and fair.over_share(name, caller, cfg.max_num_seqs + cfg.max_queue),
         )
     return out
 
@@ -90,6 +191,12 @@ def rejection(d: Decision, pressures: Mapping[str, TierPressure]) -> RouterError
             f"Tier '{d.tier}' is unavailable (its upstream is failing) and no fallback tier is free.",
             code="tier_unavailable",
             retry_after=max(1.0, math.ceil(p.circuit_open_s)),
+        )
+    if p is not None and p.over_share and not p.full:
+        return OverloadedError(
+            f"Tier '{d.tier}' is busy and this caller already holds its fair share of it; retry shortly.",
+            code="fair_share_exceeded",
+            retry_after=max(1.0, math.ceil(p.wait_s)),
         )
     if p is not None and not p.full and p.wait_s > p.budget_s:
         # Retry when the queue ahead should have drained to within the budget.

@@ -66,3 +66,61 @@ def test_the_client_deadline_lowers_the_budget(server: Server, predicted: dict[s
     for bad in ("soon", "-1", "nan", "0"):
         r = ask(server, x_request_timeout=bad)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_timeout"
+
+
+FAIR_AUTH = "{mode: open, trust_tenant_header: true}"
+
+
+@pytest.fixture(scope="module")
+def fair_server(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from tests.fixtures import tiny_policy_yaml
+    from tests.router.conftest import start_server
+
+    # small admits 4 (2 running + 2 waiting) and has no fallback: what it refuses is a 429.
+    text = tiny_policy_yaml(tiny_model_dir, cache_enabled=False, max_num_seqs=2, max_queue=2, auth=FAIR_AUTH)
+    text = text.replace("fallback: {small: medium, medium: large, large: null}", "fallback: {}")
+    path = tmp_path_factory.mktemp("fair") / "policy.yaml"
+    path.write_text(text)
+    srv, stop = start_server(path, watch_policy=False)
+    yield srv
+    stop()
+
+
+def test_a_flooding_tenant_cannot_starve_a_light_one(fair_server: Server) -> None:
+    import threading
+
+    engine = fair_server.engine("small")
+    engine.step_hook = lambda batch: time.sleep(0.02)  # slow steps: admitted requests stay in flight
+    body = {"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 120}
+    body |= {"ignore_eos": True, "stream": True}
+    codes: list[int] = []
+
+    def heavy() -> None:
+        with httpx.stream(
+            "POST",
+            fair_server.url + "/v1/chat/completions",
+            json=body,
+            headers={"x-tenant": "heavy"},
+            timeout=60,
+        ) as r:
+            codes.append(r.status_code)
+            for _ in r.iter_lines():
+                pass
+
+    try:
+        light = ask(fair_server, x_tenant="light")  # the light tenant has used the tier lately
+        assert light.status_code == 200
+        threads = [threading.Thread(target=heavy) for _ in range(8)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        # heavy holds its half of the tier's 4 places; the rest of its flood is refused...
+        assert sorted(codes) == [200, 200] + [429] * 6, codes
+        # ...and the light tenant still gets in while heavy's answers stream.
+        results = [ask(fair_server, x_tenant="light").status_code for _ in range(3)]
+        assert results == [200, 200, 200]
+        for t in threads:
+            t.join(60)
+    finally:
+        engine.step_hook = None
