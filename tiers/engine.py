@@ -714,20 +714,18 @@ def _num_drafted(d: _Draft | None) -> int:
 
 
 def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:
-    """A forward on temporary blocks (warm-up and profiling), freed before returning."""
+    """A forward on temporary blocks (warm-up and profiling), freed before returning. Every row
+    uses the same blocks: their KV is garbage nobody reads, and the pool's memory stays untouched
+    (blocks are zeroed, so resident, on first use)."""
     from tiers.block_manager import BlockTable
 
-    tables = []
+    table = BlockTable()
+    if not runner.blocks.allocate(table, start + max(len(t) for t in token_rows)):
+        return
     try:
-        for toks in token_rows:
-            t = BlockTable()
-            if not runner.blocks.allocate(t, start + len(toks)):
-                break
-            tables.append(t)
-        runner.forward([RowInput(t.blocks, start, toks) for t, toks in zip(tables, token_rows, strict=False)])
+        runner.forward([RowInput(table.blocks, start, toks) for toks in token_rows])
     finally:
-        for t in tables:
-            runner.blocks.free(t)
+        runner.blocks.free(table)
 
 
 def _timings(seq: Sequence) -> dict[str, float]:
