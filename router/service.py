@@ -461,11 +461,14 @@ class RouterService:
         if spec is not None:
             spec.token_texts = token_texts(backend.tokenizer)
             spec.system_fingerprint = system_fingerprint(backend.name, backend.key)
+        # The tenant names the prefix-cache partition: one tenant's prompts never warm (or time)
+        # another's cached KV.
+        salt = (gen.ctx.tenant or "") if gen.ctx is not None else ""
         try:
             if len(params) == 1:
-                handles = [backend.engine.submit(ids, params[0])]
+                handles = [backend.engine.submit(ids, params[0], cache_salt=salt)]
             else:
-                handles = backend.engine.submit_n(ids, params)
+                handles = backend.engine.submit_n(ids, params, cache_salt=salt)
         except EngineFullError as exc:
             raise OverloadedError(
                 f"Tier '{backend.name}' is at capacity; retry shortly.", retry_after=RETRY_AFTER_S

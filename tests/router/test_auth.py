@@ -28,6 +28,8 @@ TENANTS = """tenants:
   team-a: {allowed_tiers: [small], rate_limit_rpm: 1000}
   team-b: {rate_limit_rpm: 1}
   team-rot: {rate_limit_rpm: 1000}
+  team-c: {rate_limit_rpm: 1000}
+  team-d: {rate_limit_rpm: 1000}
 routing:
 """
 
@@ -49,7 +51,9 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, keys_file: Path
 ) -> Iterator[Server]:
-    os.environ["TEST_ROUTER_KEYS"] = "sk-alpha:team-a, sk-beta, sk-b1:team-b, sk-b2:team-b"
+    os.environ["TEST_ROUTER_KEYS"] = (
+        "sk-alpha:team-a, sk-beta, sk-b1:team-b, sk-b2:team-b, sk-c1:team-c, sk-d:team-d, sk-e"
+    )
     path = tmp_path_factory.mktemp("auth") / "policy.yaml"
     text = tiny_policy_yaml(tiny_model_dir, cache_enabled=True).replace(
         "  auth: {mode: open}\n", AUTH.format(keys_file=keys_file), 1
@@ -209,3 +213,22 @@ def test_keys_parse_and_compare() -> None:
     assert keys.authenticate("Bearer k4") is False
     assert keys.authenticate(None) is False
     assert not ApiKeys({}).enabled
+
+
+def test_the_prefix_cache_is_partitioned_by_tenant(server: Server) -> None:
+    def cached_tokens(key: str) -> int:
+        body = {
+            "model": "large",
+            "messages": [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 4}],
+            "max_tokens": 2,
+        }
+        headers = {"authorization": f"Bearer {key}", "cache-control": "no-cache"}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        details = r.json()["usage"].get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
+
+    cached_tokens("sk-e")
+    assert cached_tokens("sk-e") > 0  # the prompt's KV is reused within a partition...
+    assert cached_tokens("sk-c1") == 0  # ...but never across tenants
+    assert cached_tokens("sk-d") == 0
