@@ -166,3 +166,34 @@ def test_a_keys_mode_edit_without_keys_is_rejected_and_keeps_serving(
     wait_for(lambda: metric(srv.url, "router_policy_reload_failures_total") == failures + 1)
     assert srv.app.state.auth.open
     assert route(srv.url)["tier"] in ("small", "medium", "large")  # still served, still open
+
+
+def test_an_edit_while_the_first_tiers_load_waits_for_them(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapping the policy before its tiers exist could name a tier with no engine (a 500): the
+    watcher holds the edit back until the first tiers are up, then applies it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.policy.loader import parse_policy
+    from router.reload import PolicyWatcher
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False))
+    service = SimpleNamespace(tiers=None, policy=parse_policy(path.read_text(), str(path)))
+    app = SimpleNamespace(state=SimpleNamespace(service=service, load_error=None, telemetry=None))
+    watcher = PolicyWatcher(path, app)
+    path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False).replace("score-large", "edited"))
+    assert asyncio.run(watcher.check()) is False  # still loading: not applied, not marked seen
+    assert service.policy.routing.rules[-1].name == "score-large"
+    applied: list[object] = []
+
+    async def fake_apply(app: object, new: object) -> None:
+        applied.append(new)
+
+    monkeypatch.setattr("router.reload.apply_policy", fake_apply)
+    counter = SimpleNamespace(inc=lambda: None)
+    app.state.telemetry = SimpleNamespace(policy_reloads=counter, policy_reload_failures=counter)
+    service.tiers = object()  # the first tiers are up
+    assert asyncio.run(watcher.check()) is True and len(applied) == 1
