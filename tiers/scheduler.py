@@ -6,11 +6,12 @@ speculative tokens the engine will draft for it); a prefill chunk is a sequence 
 prefix-cache hit or a preempted sequence's recompute are the same rule from another starting
 point. Decodes, prefill chunks and verification tokens share one forward.
 
-Order within a step: running sequences first (oldest first, so decodes keep flowing and a long
-prompt progresses in budget-sized chunks), then waiting ones while budget, batch slots and blocks
-last. When a running sequence cannot get blocks for its next tokens, the newest running sequence is
-preempted by recompute: its blocks are freed and it goes back to the front of the queue, keeping
-its generated tokens. A sequence that fits the pool alone is therefore never failed.
+Order within a step: running decodes first, then running prefill chunks (so a long prompt
+never stalls decodes; it progresses in what budget is left, at most half of it while others wait),
+then waiting sequences while budget, batch slots and blocks last. When a running sequence cannot
+get blocks for its next tokens, the newest running sequence not yet in the step is preempted by
+recompute: its blocks are freed and it goes back to the front of the queue, keeping its
+generated tokens. A sequence that fits the pool alone is therefore never failed.
 
 Draft-side KV (speculative tiers) follows the target: a sequence's draft table is grown for the
 chunk the draft will feed this step, and a sequence whose draft cannot get blocks simply does not
@@ -50,6 +51,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs a token each step"
+            )
 
 
 @dataclass(slots=True)
@@ -117,11 +123,20 @@ class Scheduler:
         """Pick the next step's work; ``None`` when there is nothing to run."""
         batch = ScheduledBatch([], [], [], [])
         budget = self.config.max_num_batched_tokens
-        # 1. Running sequences, oldest first.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # 1. Running sequences: decodes first (a long prompt's chunk must never starve them),
+        #    then prefill chunks, each group oldest first.
+        order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
+        scheduled: set[int] = set()
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1 and self.waiting:
+                # A long prompt may not hold the whole budget while others wait to be admitted
+                # (vLLM's long_prefill_token_threshold): it keeps half, they get the rest.
+                n = min(n, max(1, self.config.max_num_batched_tokens // 2))
             want = self._spec_wanted(seq) if n == 1 else 0
             lag = seq.num_tokens - seq.num_draft_computed_tokens
             k = min(want, budget - n) if lag <= MAX_DRAFT_CATCHUP else 0
@@ -129,15 +144,16 @@ class Scheduler:
                 if k:
                     k = 0  # first give up the speculative lookahead
                     continue
-                victim = self.running[-1]
+                # Preempt the newest sequence not already in this step (possibly seq itself).
+                victim = next(v for v in reversed(self.running) if v.seq_id not in scheduled)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
-                continue  # it preempted itself (it was the newest)
+                continue
+            scheduled.add(seq.seq_id)
             self._add_row(batch, seq, n, k, follow_draft=n > 1 or want > 0)
             budget -= n + k
-            i += 1
         # 2. Waiting sequences, FIFO, while there is room (none right after a preemption: the
         #    pool is short, and a readmitted sequence would only be preempted again).
         while (

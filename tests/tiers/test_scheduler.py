@@ -41,7 +41,7 @@ def test_decodes_and_a_prefill_chunk_share_one_step_under_the_budget() -> None:
 
 
 def test_a_long_prompt_progresses_in_budget_sized_chunks() -> None:
-    sched = make(max_num_batched_tokens=8)
+    sched = make(max_num_batched_tokens=8, max_num_seqs=4)
     s = seq(20)
     sched.add(s)
     chunks = []
@@ -172,3 +172,35 @@ def test_aborted_waiting_sequences_are_skipped() -> None:
 def test_config_names_the_bad_field(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: 0})
+
+
+def test_the_token_budget_must_cover_a_token_per_running_sequence() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_a_long_prefill_admitted_first_never_starves_later_decodes() -> None:
+    sched = make(num_blocks=256, max_num_batched_tokens=16)
+    long = seq(100, start=200)
+    sched.add(long)
+    run(sched, sched.schedule())  # type: ignore[arg-type]  # long takes the whole budget
+    short = seq(4)
+    sched.add(short)
+    for _ in range(3):
+        batch = sched.schedule()
+        assert batch is not None
+        run(sched, batch)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs[0] is short and batch.num_new_tokens[0] == 1
+    assert batch.num_new_tokens[1] == 15  # the chunk gets what is left
+
+
+def test_a_long_prefill_leaves_room_for_admissions() -> None:
+    sched = make(num_blocks=256, max_num_batched_tokens=16)
+    long = seq(100, start=200)
+    sched.add(long)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    short = seq(4)
+    sched.add(short)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs == [long, short] and batch.num_new_tokens == [8, 4]
