@@ -191,6 +191,28 @@ def _source_path(model: str) -> tuple[Path | str, str | None]:
     return model, None  # a hub id
 
 
+def _own_memory(model: Any) -> None:
+    """Give the weights that survived quantization/packing memory of their own, off the
+    safetensors file mapping, then hand freed heap back to the OS.
+
+    Why: weights load as views of a memory-mapped file. Quantizing or packing reads every one, so
+    the whole file becomes resident, and while any view (the embedding, the norms) still points
+    into the mapping it stays counted: measured +540 MB of RSS for the fp32 tier's 135M model."""
+    import ctypes
+    import gc
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            param.data = param.data.clone()
+        for name, buf in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = buf.clone()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def load_model(
     model: str,
     *,
@@ -229,6 +251,8 @@ def load_model(
         hf_model.to(torch_dtype)  # type: ignore[arg-type]
     elif dev.type == "cpu" and torch_dtype == torch.float32:
         use_onednn_linears(hf_model)
+    if dev.type == "cpu":
+        _own_memory(hf_model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(
