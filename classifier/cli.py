@@ -34,7 +34,7 @@ def cmd_train_outcomes(args: argparse.Namespace) -> int:
     if args.heldout_fraction is not None:
         config = dataclasses.replace(config, heldout_fraction=args.heldout_fraction)
     try:
-        metadata = train_outcomes(paths[0], args.out, config, [*extra, *paths[1:]])
+        metadata = train_outcomes(paths[0], args.out, config, extra, paths[1:])
     except ValueError as exc:
         return _fail(str(exc))
     print(
@@ -153,7 +153,9 @@ def _add_commands(sub: Any) -> None:
         "(the routing score; the shipped artifact)",
     )
     p.add_argument(
-        "--extra", nargs="*", help="--outcomes: more outcome files (shadow log, feedback) to train on"
+        "--extra",
+        nargs="*",
+        help="--outcomes: more outcome files (judged shadow log, feedback log), merged by id",
     )
     p.add_argument("--no-proxy", action="store_true", help="--outcomes: leave out the bundled proxy corpus")
     p.add_argument(

@@ -284,9 +284,15 @@ def training_rows(
     outcomes_path: str | Path,
     config: OutcomeConfig = OUTCOME_CONFIG,
     extra_paths: Sequence[str | Path] = (PROXY_PATH,),
+    more_outcomes: Sequence[str | Path] = (),
 ) -> tuple[list[OutcomeRow], list[float], list[str], list[str]]:
-    """``(rows, weights, heldout_subjects, dropped_subjects)`` for :func:`fit_outcomes`."""
-    rows = load_outcomes(outcomes_path)
+    """``(rows, weights, heldout_subjects, dropped_subjects)`` for :func:`fit_outcomes`.
+
+    ``more_outcomes`` (shadow and feedback logs: real outcomes, weight 1) are read together with
+    ``outcomes_path``, so lines about one answer merge by id; ``extra_paths`` (the proxy corpus)
+    weigh ``config.proxy_weight`` each.
+    """
+    rows = load_outcomes([outcomes_path, *more_outcomes])
     subjects = [r["subject"] for r in rows if "subject" in r]
     held = heldout_subjects(subjects, config.heldout_fraction) if config.heldout_fraction > 0 else []
     dropped = [s for s in DROPPED_SUBJECTS if s in set(subjects)]
@@ -320,6 +326,7 @@ def train_outcomes(
     out_dir: str | Path,
     config: OutcomeConfig = OUTCOME_CONFIG,
     extra_paths: Sequence[str | Path] = (PROXY_PATH,),
+    more_outcomes: Sequence[str | Path] = (),
 ) -> dict[str, Any]:
     """Fit on outcomes, export ``model.onnx`` + ``metadata.json`` into ``out_dir``; returns metadata.
 
@@ -332,7 +339,7 @@ def train_outcomes(
     import sklearn
 
     outcomes_path, out = Path(outcomes_path), Path(out_dir)
-    rows, weights, held, dropped = training_rows(outcomes_path, config, extra_paths)
+    rows, weights, held, dropped = training_rows(outcomes_path, config, extra_paths, more_outcomes)
     pipeline = fit_outcomes(rows, config, weights)
     model = export_outcome_onnx(pipeline, {"version": OUTCOME_VERSION, "score": "outcome"})
 
@@ -374,6 +381,7 @@ def train_outcomes(
         "training_data": {
             "outcomes": {"path": outcomes_path.name, "sha256": _sha256(outcomes_path)},
             "extra": [{"path": Path(p).name, "sha256": _sha256(Path(p))} for p in extra_paths],
+            "more_outcomes": [{"path": Path(p).name, "sha256": _sha256(Path(p))} for p in more_outcomes],
             "n": len(rows),
             "positives": int(_targets(rows).sum()),
             "dropped_subjects": dropped,

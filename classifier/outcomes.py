@@ -42,6 +42,7 @@ __all__ = [
     "OutcomeRow",
     "heldout_subjects",
     "load_outcomes",
+    "merge_by_id",
     "parse_outcome",
     "plot_curves",
     "random_apgr",
@@ -98,10 +99,8 @@ def _open_text(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
-def load_outcomes(path: str | Path, keep_contaminated: bool = False) -> list[OutcomeRow]:
-    """Read an outcome JSONL(.gz) file; see the module docstring for the accepted shapes."""
-    path = Path(path)
-    rows: list[OutcomeRow] = []
+def _raw_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    out = []
     with _open_text(path) as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
@@ -109,13 +108,61 @@ def load_outcomes(path: str | Path, keep_contaminated: bool = False) -> list[Out
             raw = json.loads(line)
             if not isinstance(raw, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            if raw.get("contaminated") and not keep_contaminated:
-                continue
-            row = parse_outcome(raw, f"{path}:{lineno}")
-            if row is not None:
-                rows.append(row)
+            out.append((f"{path}:{lineno}", raw))
+    return out
+
+
+def merge_by_id(rows: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Join the rows that share an ``id`` and carry ``outcomes`` (shadow and feedback logs).
+
+    A shadow line judged for its shadow tier and a feedback line for the served tier become one
+    row with both tiers' outcomes (a later line wins for a tier both name); the prompt comes
+    from whichever line has one. Other rows pass through unchanged, in order.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    order: list[tuple[str, dict[str, Any]] | str] = []
+    for where, raw in rows:
+        rid = raw.get("id")
+        if not isinstance(rid, str) or not isinstance(raw.get("outcomes"), Mapping):
+            order.append((where, raw))
+            continue
+        if rid not in merged:
+            merged[rid] = {"id": rid, "outcomes": {}, "_where": where}
+            order.append(rid)
+        target = merged[rid]
+        target["outcomes"].update({k: v for k, v in raw["outcomes"].items() if v is not None})
+        if isinstance(raw.get("prompt"), str) and "prompt" not in target:
+            target["prompt"] = raw["prompt"]
+    out: list[tuple[str, dict[str, Any]]] = []
+    for item in order:
+        if isinstance(item, str):
+            row = merged[item]
+            if "prompt" in row:  # a line logged without content cannot train
+                out.append((row.pop("_where"), row))
+        else:
+            out.append(item)
+    return out
+
+
+def load_outcomes(
+    path: str | Path | Sequence[str | Path], keep_contaminated: bool = False
+) -> list[OutcomeRow]:
+    """Read outcome JSONL(.gz) file(s); see the module docstring for the accepted shapes.
+
+    Several files are read as one: shadow and feedback lines about one answer (same ``id``) are
+    merged first (:func:`merge_by_id`).
+    """
+    paths = [Path(path)] if isinstance(path, str | Path) else [Path(p) for p in path]
+    raws = merge_by_id([item for p in paths for item in _raw_rows(p)])
+    rows: list[OutcomeRow] = []
+    for where, raw in raws:
+        if raw.get("contaminated") and not keep_contaminated:
+            continue
+        row = parse_outcome(raw, where)
+        if row is not None:
+            rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no rows with both a weak and a strong outcome")
+        raise ValueError(f"{', '.join(map(str, paths))}: no rows with both a weak and a strong outcome")
     return rows
 
 

@@ -26,6 +26,7 @@ from router.auth import Caller
 from router.calls import CallContext, Completion
 from router.dashboard import DASHBOARD_HTML, dashboard_data
 from router.errors import AuthError, BadRequestError, ModelNotFoundError, PayloadTooLargeError, RouterError
+from router.feedback import feedback
 from router.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, message_text
 from router.service import RouterService
 from router.telemetry import Telemetry
@@ -290,6 +291,7 @@ ROUTES = [
     list_models,
     retrieve_model,
     route,
+    feedback,
     healthz,
     readyz,
     metrics,

@@ -31,6 +31,7 @@ from router.schemas import (
     validate_completion,
 )
 from router.session import SessionMemory, prior_key, record_key
+from router.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.sse import replay
 from router.structured import chat_messages, native_prompt_ids, output_spec
 from tiers.engine import EngineFullError
@@ -88,6 +89,26 @@ class RouterService:
         self._in_flight = InFlight()
         self.writer = ResponseWriter(telemetry, self._in_flight)
         self._sessions: SessionMemory | None = None
+        # Shadow answers and feedback (router/shadow.py): the outcome-collection loop.
+        self.shadow = ShadowRecorder(getattr(telemetry, "registry", None))
+        self._feedback: FeedbackLog | None = None
+
+    def feedback_log(self, policy: Policy | None = None) -> FeedbackLog | None:
+        """The feedback log of ``policy`` (the live one by default); None when feedback is off."""
+        policy = policy or self.policy
+        cfg = policy.service.feedback
+        if not cfg.enabled:
+            return None
+        if self._feedback is None or self._feedback.cfg != cfg:
+            old = self._feedback
+            self._feedback = FeedbackLog(
+                cfg,
+                policy.service.telemetry.record_content,
+                getattr(self.telemetry, "registry", None) if old is None else None,
+            )
+            if old is not None:  # keep the registered counter (and the ids already issued)
+                self._feedback.received, self._feedback.issued = old.received, old.issued
+        return self._feedback
 
     def sessions(self, policy: Policy) -> SessionMemory | None:
         """The conversation -> tier memory (router/session.py); rebuilt when a reload resizes it."""
@@ -297,6 +318,12 @@ class RouterService:
             "x-router-score": f"{routed.score.value:.4f}",
             "x-router-rule": d.rule,
         }
+        # The id POST /v1/feedback takes (the body's own id works too, once the answer is done).
+        rid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
+        headers["x-router-response-id"] = rid
+        feedback = self.feedback_log(policy)
+        if feedback is not None and not d.rejected:
+            feedback.remember([rid], gen, d)
         # The cache is consulted only now, keyed on the decision: a request the policy sends to
         # another tier (a header rule, a tenant cap, a fallback) never gets this tier's answer.
         cache = self.cache
@@ -326,6 +353,9 @@ class RouterService:
             source, prompt_tokens_hint = self._local_stream(backend, gen)
         # Counted against the caller's share of the tier until the answer ends (router.admission).
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0])
+        shadow_tier = self.shadow.target(policy, d, ctx.tenant)
+        if shadow_tier is not None:
+            source[0] = self._shadow_after(source[0], shadow_tier, gen, ctx, d, policy, rid)
         span_attrs = self.writer.span_attributes(gen, d, routed)
         if ctx.span is not None:
             ctx.span.set_attributes(span_attrs)
@@ -351,6 +381,84 @@ class RouterService:
             gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
         )
         return Completion(headers, body=body)
+
+    async def _shadow_after(
+        self,
+        source: AsyncIterator[StepOutput],
+        tier: str,
+        gen: Generation,
+        ctx: CallContext,
+        d: Decision,
+        policy: Policy,
+        rid: str,
+    ) -> AsyncIterator[StepOutput]:
+        """The user's stream, unchanged; once it has finished, the shadow answer starts.
+
+        Not after a disconnect (the generator is closed mid-way) or an error: only answers the
+        user actually got are compared.
+        """
+        parts: list[str] = []
+        finished = False
+        try:
+            async for out in source:
+                if out.index == 0:
+                    parts.append(out.text)
+                    finished = finished or out.finish_reason is not None
+                yield out
+        finally:
+            # The writer closes the stream once it has the last output, without reading past it:
+            # the finished answer is known here, at the close.
+            if finished:
+                self._start_shadow(tier, gen, ctx, d, policy, rid, "".join(parts))
+
+    def _start_shadow(
+        self,
+        tier: str,
+        gen: Generation,
+        ctx: CallContext,
+        d: Decision,
+        policy: Policy,
+        rid: str,
+        answer: str,
+    ) -> None:
+        import dataclasses
+
+        import msgspec
+
+        backend = self.tiers.tiers.get(tier) if self.tiers is not None else None
+        if backend is None:
+            return
+        cfg = policy.shadow
+        record = (
+            cfg.record_content if cfg.record_content is not None else policy.service.telemetry.record_content
+        )
+        req = gen.request
+        limit = cfg.max_tokens
+        changes: dict[str, Any] = {"stream": False, "stream_options": None, "n": 1}
+        if isinstance(req, ChatCompletionRequest):
+            asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            changes.update(max_tokens=min(limit, asked or limit), max_completion_tokens=None)
+        else:
+            changes.update(max_tokens=min(limit, req.max_tokens or limit))
+        shadow_gen = dataclasses.replace(
+            gen,
+            request=msgspec.structs.replace(req, model=tier, **changes),
+            stream=False,
+            include_usage=False,
+        )
+        if isinstance(backend, RemoteBackend):
+            load = None
+
+            def stream() -> AsyncIterator[StepOutput]:
+                return self._remote_stream(backend, shadow_gen)
+        else:
+            load = backend.engine.load()
+
+            def stream() -> AsyncIterator[StepOutput]:
+                return self._local_stream(backend, shadow_gen)[0][0]
+
+        row = shadow_row(rid, gen, d, ctx.tenant, answer, record)
+        self.shadow.launch(cfg, tier, load, stream, row, record)
 
     def _cached_completion(
         self, gen: Generation, d: Decision, headers: dict[str, str], hit: CachedAnswer

@@ -237,6 +237,11 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
         ):
             if getattr(tier, fname) < minimum:
                 ctx.error((*p, fname), f"must be >= {minimum}, got {getattr(tier, fname)}")
+        if tier.max_num_batched_tokens < tier.max_num_seqs:
+            ctx.error(
+                (*p, "max_num_batched_tokens"),
+                f"must be >= max_num_seqs ({tier.max_num_seqs}): each running sequence needs a token a step",
+            )
         if tier.block_size not in (8, 16, 32, 64, 128):
             ctx.error((*p, "block_size"), f"must be 8, 16, 32, 64 or 128, got {tier.block_size}")
         if tier.kv_cache_memory is not None:
@@ -302,6 +307,27 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
     esc = routing.escalation.confidence_below
     if esc is not None and not 0 < esc <= 1:
         ctx.error(("routing", "escalation", "confidence_below"), "must be in (0, 1]")
+    sh = policy.shadow
+    if not 0 <= sh.sample <= 1:
+        ctx.error(("shadow", "sample"), f"must be in [0, 1], got {sh.sample}")
+    if not 0 <= sh.max_busy_fraction <= 1:
+        ctx.error(("shadow", "max_busy_fraction"), f"must be in [0, 1], got {sh.max_busy_fraction}")
+    for fname in ("max_concurrent", "max_tokens"):
+        if getattr(sh, fname) < 1:
+            ctx.error(("shadow", fname), f"must be >= 1, got {getattr(sh, fname)}")
+    if sh.tier is not None and sh.tier not in tiers:
+        ctx.error(
+            ("shadow", "tier"), f"names tier '{sh.tier}', which does not exist; tiers: {', '.join(names)}"
+        )
+    rule_names = {r.name for r in routing.rules}
+    for i, rname in enumerate(sh.rules or []):
+        if rname not in rule_names:
+            ctx.error(("shadow", "rules", i), f"names rule '{rname}', which does not exist")
+    fb = policy.service.feedback
+    if fb.max_ids < 1:
+        ctx.error(("service", "feedback", "max_ids"), "must be >= 1")
+    if fb.ttl_s <= 0:
+        ctx.error(("service", "feedback", "ttl_s"), "must be > 0")
     if routing.sessions.max_entries < 1:
         ctx.error(("routing", "sessions", "max_entries"), "must be >= 1")
     if routing.sessions.ttl_s <= 0:

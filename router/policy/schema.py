@@ -15,6 +15,7 @@ __all__ = [
     "ClassifierConfig",
     "Condition",
     "EscalationConfig",
+    "FeedbackConfig",
     "GenerationDefaults",
     "Policy",
     "Routing",
@@ -22,6 +23,7 @@ __all__ = [
     "SemanticCacheConfig",
     "ServiceConfig",
     "SessionConfig",
+    "ShadowConfig",
     "TelemetryConfig",
     "TenantConfig",
     "TierConfig",
@@ -269,6 +271,20 @@ class TelemetryConfig:
 
 
 @dataclass(slots=True)
+class FeedbackConfig:
+    """``POST /v1/feedback`` (router/shadow.py): scores for answers this service issued."""
+
+    enabled: bool = True
+    log_path: str = "feedback.jsonl"
+    """JSONL of outcome lines ``{"id", "prompt"?, "outcomes": {tier: score}}``; the prompt only
+    with ``service.telemetry.record_content``."""
+    max_ids: int = 100_000
+    """Issued response ids remembered for feedback (least recent forgotten first)."""
+    ttl_s: float = 86_400.0
+    """Feedback on an answer older than this is refused (404)."""
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     max_body_bytes: int = 1_048_576
     """Request bodies above this get 413 before they are read in full."""
@@ -282,6 +298,33 @@ class ServiceConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+
+
+@dataclass(slots=True)
+class ShadowConfig:
+    """Shadow mode (router/shadow.py): also answer a sample of requests on another tier, off the
+    critical path and only in idle capacity, and log both answers for judging."""
+
+    enabled: bool = False
+    sample: float = 0.0
+    """Share of eligible requests shadowed, in [0, 1]."""
+    tier: str | None = None
+    """The shadow tier; null = the tier above the one that served the request."""
+    rules: list[str] | None = None
+    """Only requests decided by these rules (null = any rule)."""
+    tenants: list[str] | None = None
+    """Only these tenants' requests (null = any caller)."""
+    max_concurrent: int = 2
+    """Shadow generations running at once, service-wide; more are skipped, never queued."""
+    max_busy_fraction: float = 0.5
+    """Start one only while the target tier has nobody waiting and at most this share of its
+    sequence slots busy."""
+    max_tokens: int = 256
+    """Output cap of a shadow answer."""
+    log_path: str = "shadow.jsonl"
+    record_content: bool | None = None
+    """Write prompts and answers; null = ``service.telemetry.record_content``."""
 
 
 @dataclass(slots=True)
@@ -292,6 +335,7 @@ class Policy:
     version: int = 1
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
     source: str = ""
     """Where it was loaded from (set by the loader, not a YAML key)."""
     digest: str = ""

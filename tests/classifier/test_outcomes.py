@@ -123,3 +123,27 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     m = routing_metrics([0.1, 0.9, 0.5], [0, 0, 1], [1, 1, 1])
     plot_curves({"value": m}, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shadow_and_feedback_lines_merge_by_id(tmp_path: Path) -> None:
+    from classifier.outcomes import merge_by_id
+
+    shadow = {"id": "r1", "prompt": "p", "outcomes": {"large": 1.0}, "answers": {}}
+    feedback = {"id": "r1", "outcomes": {"small": 0.0}}
+    unjudged = {"id": "r2", "prompt": "q", "outcomes": {}}
+    no_content = {"id": "r3", "outcomes": {"small": 1, "large": 1}}  # logged without the prompt
+    plain = {"prompt": "x", "weak": 1, "strong": 1, "id": 7}
+    merged = merge_by_id(
+        [("a:1", shadow), ("b:1", plain), ("c:1", feedback), ("a:2", unjudged), ("d", no_content)]
+    )
+    assert [raw for _, raw in merged] == [
+        {"id": "r1", "outcomes": {"large": 1.0, "small": 0.0}, "prompt": "p"},
+        plain,
+        {"id": "r2", "outcomes": {}, "prompt": "q"},
+    ]
+    a, b = tmp_path / "shadow.jsonl", tmp_path / "feedback.jsonl"
+    a.write_text(json.dumps(shadow) + "\n" + json.dumps(unjudged) + "\n")
+    b.write_text(json.dumps(feedback) + "\n")
+    assert load_outcomes([a, b]) == [{"prompt": "p", "weak": 0.0, "strong": 1.0}]
+    with pytest.raises(ValueError, match="no rows"):
+        load_outcomes([b])  # feedback alone: one tier, no comparison
