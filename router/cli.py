@@ -102,6 +102,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         headers={k.strip(): v.strip() for k, v in headers.items()},
         tenant=args.tenant,
         prompt_tokens=len(args.prompt) // 4,
+        text=args.prompt,  # what keyword and language conditions test
     )
     try:
         d = decide(policy, request, score)
