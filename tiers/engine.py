@@ -102,6 +102,8 @@ class Engine:
         self._shared_generator = torch.Generator().manual_seed(0)
         self._k = 0
         self._matcher_advance: dict[int, int] = {}
+        self._delivered: set[int] = set()
+        """Rows of the current step whose tokens were already appended and emitted."""
         """Tokens each constrained row's matcher took during this step's drafting (rolled back
         by what the target rejects, or all of it when the step fails)."""
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
@@ -283,8 +285,9 @@ class Engine:
                 self._fail(batch.seqs[0], f"{type(exc).__name__}: {exc}")
                 log.warning("engine %s: request failed: %s", self.name, traceback.format_exc(limit=3))
                 return
+        delivered = set(self._delivered)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            if seq.is_finished:
+            if seq.is_finished or seq.seq_id in delivered:
                 continue
             alone = ScheduledBatch([seq], [n], [0], [0], kind=batch.kind)
             self._matcher_advance = {}
@@ -296,7 +299,11 @@ class Engine:
                 self._fail(seq, f"{type(exc).__name__}: {exc}")
 
     def _restore(self, batch: ScheduledBatch, snapshot: list[tuple[int, int, int]]) -> None:
+        """Undo a failed step for the rows it had not yet delivered (delivered tokens stand: a
+        retry must never emit them twice)."""
         for seq, (nc, dc, n) in zip(batch.seqs, snapshot, strict=True):
+            if seq.seq_id in self._delivered:
+                continue
             seq.num_computed_tokens, seq.num_draft_computed_tokens = nc, dc
             del seq.token_ids[n:]
             advanced = self._matcher_advance.pop(seq.seq_id, 0)
@@ -304,6 +311,7 @@ class Engine:
                 seq.params.constraint.rollback(advanced)
 
     def _run(self, batch: ScheduledBatch) -> None:
+        self._delivered = set()
         if self.step_hook is not None:
             self.step_hook(batch)
         drafts: list[_Draft | None] = (
@@ -606,6 +614,7 @@ class Engine:
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None or seq.is_finished:
             return
+        self._delivered.add(seq.seq_id)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         params = seq.params

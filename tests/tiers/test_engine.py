@@ -374,3 +374,27 @@ async def test_generic_hf_path_gives_the_fast_paths_tokens(
     a = await asyncio.gather(*(collect(generic, p, greedy(12)) for p in ps))
     b = await asyncio.gather(*(collect(engine, p, greedy(12)) for p in ps))
     assert [x[0] for x in a] == [y[0] for y in b]
+
+
+async def test_a_fault_after_some_rows_were_delivered_never_repeats_their_tokens(engine: Engine) -> None:
+    """A step that fails halfway through postprocessing: rows already delivered keep their tokens,
+    the rest are retried alone; every stream equals its solo run, no token twice, none lost."""
+    ps = prompts(4, seed=28)
+    solo = [await collect(engine, p, greedy(6)) for p in ps]
+    original = engine._postprocess
+    fired = False
+
+    def flaky(seq: Any, new: list[int], logprobs: Any = None) -> None:
+        nonlocal fired
+        if not fired and len(engine._delivered) == 2:
+            fired = True
+            raise RuntimeError("fault after two rows")
+        original(seq, new, logprobs)
+
+    engine._postprocess = flaky  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(collect(engine, p, greedy(6)) for p in ps))
+    finally:
+        engine._postprocess = original  # type: ignore[method-assign]
+    assert fired
+    assert [r[0] for r in results] == [s[0] for s in solo]
