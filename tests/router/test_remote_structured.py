@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -57,14 +58,14 @@ def test_remote_json_schema_and_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_remote_forced_tool_call_streamed_and_not(client: openai.OpenAI) -> None:
-    choice = {"type": "function", "function": {"name": "get_weather"}}
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
     resp = client.chat.completions.create(
         model="remote",
         messages=ASK,
         tools=TOOLS,
         tool_choice=choice,
         max_tokens=200,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     calls = resp.choices[0].message.tool_calls or []
     assert resp.choices[0].finish_reason == "tool_calls" and len(calls) == 1
@@ -76,7 +77,7 @@ def test_remote_forced_tool_call_streamed_and_not(client: openai.OpenAI) -> None
             tools=TOOLS,
             tool_choice=choice,
             max_tokens=200,
-            temperature=0,  # type: ignore[arg-type]
+            temperature=0,
             stream=True,
         )
     )

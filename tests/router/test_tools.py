@@ -117,7 +117,7 @@ def test_tool_and_choice_validation() -> None:
         ([{"type": "function", "function": {"name": "f", "parameters": 3}}], "tools[0].function.parameters"),
     ]:
         with pytest.raises(BadRequestError) as info:
-            parse_tools(bad)
+            parse_tools(bad)  # type: ignore[arg-type]
         assert info.value.param == param
 
 
@@ -227,7 +227,7 @@ def test_random_walk_under_tool_grammar_parses(tiny_model_dir: Path) -> None:
             t = rng.choice(mask.nonzero().flatten().tolist())
             assert con.accept(t)
             ids.append(t)
-        content, calls = parse_tool_calls(tok.decode(ids, skip_special_tokens=True), tools)
+        content, calls = parse_tool_calls(str(tok.decode(ids, skip_special_tokens=True)), tools)
         assert content is None and json.loads(calls[0]["function"]["arguments"])["city"] in ("paris", "lima")
 
 
@@ -308,7 +308,7 @@ def test_token_texts_and_logprobs_objects(smol: Any) -> None:
     entries = [TokenLogprob(t, -0.5, [(t, -0.5), (0, float("-inf"))]) for t in ids]
     chat = chat_logprobs(texts, entries, top=1)
     assert [len(c["top_logprobs"]) for c in chat] == [1] * len(ids)
-    legacy = completion_logprobs(texts, entries, top=2, offset=4)
+    legacy = completion_logprobs(texts, list[TokenLogprob | None](entries), top=2, offset=4)
     assert legacy["text_offset"][0] == 4 and len(legacy["tokens"]) == len(ids)
     assert all(v >= -9999.0 for tops in legacy["top_logprobs"] for v in tops.values())  # -inf is not JSON
 
