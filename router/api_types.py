@@ -28,16 +28,32 @@ class Usage(msgspec.Struct):
     speculative: dict[str, int] | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+    """JSON text of the arguments (valid under the function's schema for grammar-decoded calls)."""
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: str
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    """stop | length | tool_calls"""
     logprobs: Any = None
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}], "refusal": null}`` when asked."""
 
 
 class ChatCompletion(msgspec.Struct):
@@ -45,8 +61,11 @@ class ChatCompletion(msgspec.Struct):
     object: str
     created: int
     model: str
+    """The tier that answered: what a client maps to a price."""
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None
+    """Changes exactly when the answering tier's serving configuration does."""
 
 
 class TextChoice(msgspec.Struct):
@@ -63,6 +82,7 @@ class TextCompletion(msgspec.Struct):
     model: str
     choices: list[TextChoice]
     usage: Usage
+    system_fingerprint: str | None = None
 
 
 class Model(msgspec.Struct):

@@ -59,17 +59,23 @@ def completion_body(
 
 
 async def replay(kind: str, body: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
-    """A stored answer as the same SSE sequence a live stream produces."""
+    """A stored answer as the same SSE sequence a live stream produces (the cache stores plain
+    one-choice text answers only: no tool calls, logprobs or n > 1)."""
     cid, created, model = body["id"], body["created"], body["model"]
+    extra = {"system_fingerprint": body["system_fingerprint"]} if body.get("system_fingerprint") else {}
     first = body["choices"][0]
     text = first["message"]["content"] if kind == "chat" else first["text"]
+
+    def event(delta: Any, finish: str | None) -> bytes:
+        return sse_event({**chunk(kind, cid, created, model, delta, finish), **extra})
+
     if kind == "chat":
-        yield sse_event(chunk(kind, cid, created, model, {"role": "assistant", "content": ""}, None))
-    yield sse_event(chunk(kind, cid, created, model, {"content": text} if kind == "chat" else text, None))
-    yield sse_event(chunk(kind, cid, created, model, {} if kind == "chat" else "", first["finish_reason"]))
+        yield event({"role": "assistant", "content": ""}, None)
+    yield event({"content": text} if kind == "chat" else text, None)
+    yield event({} if kind == "chat" else "", first["finish_reason"])
     if include_usage:
         usage_chunk = {"id": cid, "object": object_name(kind, chunk=True), "created": created, "model": model}
-        yield sse_event({**usage_chunk, "choices": [], "usage": body["usage"]})
+        yield sse_event({**usage_chunk, **extra, "choices": [], "usage": body["usage"]})
     yield b"data: [DONE]\n\n"
 
 
