@@ -5,9 +5,8 @@ streaming/non-streaming, at rising concurrency. Bounded in count and time; stops
 Modes:
   (default)   rising concurrency 1, 4, 16, 48; per-level throughput, TTFT/e2e p50/p95/p99 per tier,
               rejections by status, errors.
-  --overload  4x the configured capacity (sum of max_num_seqs) for --seconds (60): checks zero
-              non-503 5xx, Retry-After on every 429/503, every accepted answer complete, /readyz
-              always 200, gauges back to 0 afterwards.
+  --overload  runs ``benchmarks/overload.py``: 1x then 4x the configured capacity side by side,
+              goodput, accepted TTFT, rejection latency, fairness between two tenants.
   --soak      steady load for --seconds while sampling the server's RSS: memory must stay flat.
 
 Writes benchmarks/results/load.json (+ load.png), overload.json or soak.json (+ png).
@@ -178,28 +177,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--port", type=int, default=18082)
     args = parser.parse_args()
+    if args.overload:
+        from benchmarks import overload
+
+        overload.run(seconds=args.seconds, port=args.port)
+        return
     pool = prompts()
     with serve(args.policy, args.port) as (url, pid):
-        from router.policy.loader import load_policy
-
-        capacity = sum(t.max_num_seqs for t in load_policy(args.policy).tiers.values())
         asyncio.run(run_level(url, 4, 5, pool, seed=99))  # warm-up
         warm_rss = server_rss_mb(pid)
-        if args.overload:
-            result = asyncio.run(run_level(url, 4 * capacity, args.seconds, pool, seed=7))
-            time.sleep(2)
-            result.update(
-                {
-                    "capacity": capacity,
-                    "clients": 4 * capacity,
-                    "gauges_after": gauges(url),
-                    "rss_after_warmup_mb": warm_rss,
-                    "rss_after_mb": server_rss_mb(pid),
-                }
-            )
-            print(json.dumps(result, indent=2))
-            write_json("overload", result)
-        elif args.soak:
+        if args.soak:
             samples: list[tuple[float, float]] = []
 
             async def sample() -> None:
