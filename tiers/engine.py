@@ -28,10 +28,11 @@ import torch
 from tiers.model_runner import ModelRunner, RowInput
 from tiers.output import IncrementalDetokenizer, StepOutput, TokenLogprob
 from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle
-from tiers.sampling import apply_logit_bias, apply_penalties, draw, probs_batch
+from tiers.sampling import Draft as _Draft
+from tiers.sampling import choose_tokens, propose_tokens, target_logits, token_logprob
 from tiers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from tiers.speculative import SpecController, accept_batch
+from tiers.speculative import SpecController
 
 if TYPE_CHECKING:
     from tiers.device import DeviceWorker
@@ -49,15 +50,6 @@ class _Tracked:
     generator: torch.Generator | None
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Draft:
-    """One row's speculative proposal this step."""
-
-    tokens: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)  # [V] each: the law each token came from
-    masks: list[torch.Tensor] = field(default_factory=list)  # [V] bool each (constrained rows)
 
 
 class Engine:
@@ -403,155 +395,54 @@ class Engine:
         return out
 
     def _propose(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[_Draft]) -> list[int | None]:
-        """One draft token per row from the draft's logits ``[R, V_draft]``, processed like the
-        target's (bias, grammar mask, temperature...) so the acceptance rule sees the same law."""
-        vocab = self.runner.vocab_size
-        if logits.shape[1] < vocab:  # a narrower draft vocabulary: those ids are never proposed
-            pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-inf"))
-            logits = torch.cat([logits, pad], dim=1)
-        masks: list[torch.Tensor | None] = []
-        for r, seq in enumerate(seqs):
-            if seq.params.logit_bias:
-                apply_logit_bias(logits[r : r + 1], seq.params.logit_bias)
-            masks.append(self._mask_row(seq, logits[r]))
-        # Greedy rows need only the argmax; the law of a sampled row's draft is kept for the
-        # acceptance rule.
-        tokens = logits.argmax(dim=-1)
-        sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
-        probs: dict[int, torch.Tensor] = {}
-        if sampled:
-            p = probs_batch(logits[sampled], [seqs[r].params for r in sampled])
-            tokens[sampled] = draw(p, [None] * len(sampled), self._shared_generator)
-            probs = {r: p[j] for j, r in enumerate(sampled)}
+        """One draft token per row (None: the row stops drafting, its grammar being complete or
+        refusing the token), advancing each constrained row's matcher over what it proposes."""
+        tokens, laws, masks = propose_tokens(
+            seqs, logits, self.runner.vocab_size, self.eos_token_ids, self._shared_generator
+        )
         out: list[int | None] = []
         for r, seq in enumerate(seqs):
-            tok = int(tokens[r])
-            c = seq.params.constraint
-            mask = masks[r]
+            tok, c, mask = tokens[r], seq.params.constraint, masks[r]
+            stop = False
             if c is not None and mask is not None:
-                if not bool(mask.any()) or not c.accept(tok):
+                if not c.accept(tok):
                     out.append(None)
                     continue
                 self._matcher_advance[seq.seq_id] = self._matcher_advance.get(seq.seq_id, 0) + 1
                 drafts[r].masks.append(mask)
-                if c.is_terminated:
-                    drafts[r].tokens.append(tok)
-                    if r in probs:
-                        drafts[r].probs.append(probs[r])
-                    out.append(None)
-                    continue
+                stop = c.is_terminated
             drafts[r].tokens.append(tok)
-            if r in probs:
-                drafts[r].probs.append(probs[r])
-            out.append(tok)
+            if r in laws:
+                drafts[r].probs.append(laws[r])
+            out.append(None if stop else tok)
         return out
-
-    def _mask_row(self, seq: Sequence, logits_row: torch.Tensor) -> torch.Tensor | None:
-        """Apply ``seq``'s grammar to one logits row in place; returns the mask (None: unconstrained)."""
-        c = seq.params.constraint
-        if c is None:
-            return None
-        mask = torch.zeros(logits_row.shape[0], dtype=torch.bool)
-        c.fill_mask(mask)
-        if not bool(mask.any()):  # nothing allowed: only an end-of-sequence token can follow
-            for t in self.eos_token_ids:
-                if t < mask.shape[0]:
-                    mask[t] = True
-        logits_row.masked_fill_(~mask, float("-inf"))
-        return mask
 
     # -- sampling and acceptance ---------------------------------------------------------------
     def _sample_and_accept(
         self, batch: ScheduledBatch, drafts: list[_Draft | None], logits: list[torch.Tensor | None]
     ) -> None:
         seqs = batch.seqs
-        # 1. Process every position that needs a token: [M, V] with one params entry per row.
+        # 1. Rows that choose a token this step, their logits processed (penalties, bias, grammar).
         chunks: list[torch.Tensor] = []
         owners: list[int] = []  # batch row of each chunk
         for i, (seq, raw) in enumerate(zip(seqs, logits, strict=True)):
-            if raw is None:
+            if raw is None:  # a prefill chunk short of the prompt's end
                 seq.num_computed_tokens += batch.num_new_tokens[i]
                 self.scheduler.cache_blocks(seq)
                 continue
-            d = drafts[i]
-            lg = apply_penalties(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids)
-            if lg is raw:
-                lg = raw.clone()
-            if d is not None and d.tokens:
-                lg = lg[-(len(d.tokens) + 1) :]
-            if seq.params.logit_bias:
-                apply_logit_bias(lg, seq.params.logit_bias)
-            if seq.params.constraint is not None:
-                masks = list(d.masks) if d is not None else []
-                for j in range(len(masks)):
-                    lg[j].masked_fill_(~masks[j], float("-inf"))
-                self._mask_row(seq, lg[len(masks)])  # the matcher is past every draft now
-            chunks.append(lg)
+            chunks.append(target_logits(seq, raw, drafts[i], self.eos_token_ids))
             owners.append(i)
         if not chunks:
             return
-        flat = torch.cat(chunks)  # [M, V]
-        offsets = [0]
-        for c in chunks:
-            offsets.append(offsets[-1] + c.shape[0])
-        want_lp = any(seqs[i].params.logprobs is not None for i in owners)
-        logprobs = torch.log_softmax(flat, dim=-1) if want_lp else None
-        argmax = flat.argmax(dim=-1).tolist()  # [M]
-        # 2. Greedy rows: accept drafts while the target's argmax agrees, then take its argmax;
-        #    no vocabulary-sized tensor is built for them.
-        accepted = [0] * len(owners)
-        tokens: list[int] = [0] * len(owners)
-        sampled: list[int] = []
-        for r, i in enumerate(owners):
-            if not seqs[i].params.is_greedy:
-                sampled.append(r)
-                continue
-            d = drafts[i]
-            best = argmax[offsets[r] : offsets[r + 1]]
-            m = 0
-            if d is not None:
-                while m < len(d.tokens) and d.tokens[m] == best[m]:
-                    m += 1
-            accepted[r], tokens[r] = m, best[m]
-        # 3. Sampled rows: their laws in one batched pass, the acceptance rule over the
-        #    speculating ones at once, then one batched draw.
-        if sampled:
-            pos = [j for r in sampled for j in range(offsets[r], offsets[r + 1])]
-            probs = probs_batch(
-                flat[pos], [seqs[owners[r]].params for r in sampled for _ in range(chunks[r].shape[0])]
-            )
-            local = {}
-            at = 0
-            for r in sampled:
-                local[r] = at
-                at += chunks[r].shape[0]
-            next_dist = [probs[local[r]] for r in sampled]
-            spec = [j for j, r in enumerate(sampled) if _num_drafted(drafts[owners[r]])]
-            if spec:
-                k = max(_num_drafted(drafts[owners[sampled[j]]]) for j in spec)
-                vocab = probs.shape[1]
-                d_tok = torch.zeros((len(spec), k), dtype=torch.long)
-                d_num = torch.zeros(len(spec), dtype=torch.long)
-                p = torch.zeros((len(spec), k, vocab))
-                q = torch.zeros((len(spec), k + 1, vocab))
-                for row, j in enumerate(spec):
-                    r = sampled[j]
-                    d = drafts[owners[r]]
-                    assert d is not None
-                    n = len(d.tokens)
-                    d_tok[row, :n] = torch.tensor(d.tokens)
-                    d_num[row] = n
-                    p[row, :n] = torch.stack(d.probs)
-                    q[row, : n + 1] = probs[local[r] : local[r] + n + 1]
-                uniform = torch.rand((len(spec), k), generator=self._shared_generator)
-                num_acc, dist = accept_batch(d_tok, d_num, p, q, uniform)
-                for row, j in enumerate(spec):
-                    accepted[sampled[j]] = int(num_acc[row])
-                    next_dist[j] = dist[row]
-            gens = [self._generator(seqs[owners[r]]) for r in sampled]
-            drawn = draw(torch.stack(next_dist), gens, self._shared_generator).tolist()
-            for j, r in enumerate(sampled):
-                tokens[r] = int(drawn[j])
+        # 2-3. Acceptance and the next tokens, vectorised over the rows.
+        chosen = choose_tokens(
+            [seqs[i] for i in owners],
+            chunks,
+            [drafts[i] for i in owners],
+            [self._generator(seqs[i]) for i in owners],
+            self._shared_generator,
+        )
+        accepted, tokens, offsets, logprobs = chosen.accepted, chosen.tokens, chosen.offsets, chosen.logprobs
         # 4. Apply: computed counts, matcher state, logprobs, postprocess.
         drafted_total = accepted_total = 0
         for r, i in enumerate(owners):
@@ -583,7 +474,7 @@ class Engine:
             lps = None
             if logprobs is not None and seq.params.logprobs is not None:
                 lps = [
-                    self._logprob(logprobs[offsets[r] + j], tok, seq.params.logprobs)
+                    token_logprob(logprobs[offsets[r] + j], tok, seq.params.logprobs)
                     for j, tok in enumerate(new)
                 ]
             self._postprocess(seq, new, lps)
@@ -591,15 +482,6 @@ class Engine:
             self.spec.record_acceptance(drafted_total, accepted_total)
             if self.observer is not None:
                 self.observer.on_spec(self.name, drafted_total, accepted_total)
-
-    @staticmethod
-    def _logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
-        """``row``: log-softmax over the processed logits at one position ``[V]``."""
-        alternatives: list[tuple[int, float]] = []
-        if top:
-            values, ids = torch.topk(row, top)
-            alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=True)]
-        return TokenLogprob(token, float(row[token]), alternatives)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         tracked = self._tracked.get(seq.seq_id)
@@ -716,10 +598,6 @@ class Engine:
                     started = time.perf_counter()
                     _forward_scratch(runner, [[prompt[0]] * tokens] * b, start=ctx)
                     record(b, tokens, time.perf_counter() - started)
-
-
-def _num_drafted(d: _Draft | None) -> int:
-    return len(d.tokens) if d is not None else 0
 
 
 def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:

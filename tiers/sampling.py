@@ -13,12 +13,32 @@ everything else shares one batched draw from the engine's generator.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from tiers.output import TokenLogprob
 from tiers.sequence import SamplingParams
+from tiers.speculative import accept_batch
 
-__all__ = ["apply_logit_bias", "apply_penalties", "draw", "probs_batch"]
+if TYPE_CHECKING:
+    from tiers.constraint import TokenConstraint
+    from tiers.sequence import Sequence
+
+__all__ = [
+    "Draft",
+    "StepTokens",
+    "apply_logit_bias",
+    "apply_penalties",
+    "choose_tokens",
+    "draw",
+    "mask_row",
+    "probs_batch",
+    "propose_tokens",
+    "target_logits",
+    "token_logprob",
+]
 
 
 def apply_penalties(
@@ -106,3 +126,169 @@ def draw(
         if g is not None:
             noise[i].exponential_(generator=g)
     return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+
+
+# -- one step's rows ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Draft:
+    """One row's speculative proposal this step."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    """``[V]`` each: the law each token was drawn from (sampled rows only; greedy needs none)."""
+    masks: list[torch.Tensor] = field(default_factory=list)
+    """``[V]`` bool each: the grammar's mask at each proposal (constrained rows)."""
+
+
+@dataclass(slots=True)
+class StepTokens:
+    """What the target's logits decided, per row: accepted drafts, then one new token."""
+
+    accepted: list[int]
+    tokens: list[int]
+    offsets: list[int]
+    """Row r's positions are ``offsets[r]:offsets[r + 1]`` of ``logprobs``."""
+    logprobs: torch.Tensor | None
+    """``[M, V]`` log-softmax of the processed logits, when any row asked for logprobs."""
+
+
+def mask_row(
+    constraint: TokenConstraint | None, row: torch.Tensor, eos_ids: frozenset[int]
+) -> torch.Tensor | None:
+    """Apply a grammar to one logits row ``[V]`` in place; returns the mask (None: unconstrained).
+    A grammar that allows nothing leaves only end-of-sequence tokens."""
+    if constraint is None:
+        return None
+    mask = torch.zeros(row.shape[0], dtype=torch.bool)
+    constraint.fill_mask(mask)
+    if not bool(mask.any()):
+        for t in eos_ids:
+            if t < mask.shape[0]:
+                mask[t] = True
+    row.masked_fill_(~mask, float("-inf"))
+    return mask
+
+
+def propose_tokens(
+    seqs: Seq[Sequence], logits: torch.Tensor, vocab: int, eos_ids: frozenset[int], shared: torch.Generator
+) -> tuple[list[int], dict[int, torch.Tensor], list[torch.Tensor | None]]:
+    """Draft tokens from the draft's logits ``[R, V_draft]``, processed as the target's will be
+    (bias, grammar mask, temperature...) so the acceptance rule compares the same laws.
+
+    Returns the tokens, the laws of sampled rows (by row) and each row's grammar mask. A draft head
+    narrower than the target's is padded with -inf: it never proposes ids it cannot produce."""
+    if logits.shape[1] < vocab:
+        pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-inf"))
+        logits = torch.cat([logits, pad], dim=1)
+    masks = []
+    for r, seq in enumerate(seqs):
+        if seq.params.logit_bias:
+            apply_logit_bias(logits[r : r + 1], seq.params.logit_bias)
+        masks.append(mask_row(seq.params.constraint, logits[r], eos_ids))
+    tokens = logits.argmax(dim=-1)
+    sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
+    laws: dict[int, torch.Tensor] = {}
+    if sampled:
+        p = probs_batch(logits[sampled], [seqs[r].params for r in sampled])
+        tokens[sampled] = draw(p, [None] * len(sampled), shared)
+        laws = {r: p[j] for j, r in enumerate(sampled)}
+    return tokens.tolist(), laws, masks
+
+
+def target_logits(
+    seq: Sequence, raw: torch.Tensor, draft: Draft | None, eos_ids: frozenset[int]
+) -> torch.Tensor:
+    """The positions of ``raw`` that choose tokens (the last one, or the k + 1 verifying a draft),
+    with penalties, bias and grammar masks applied (the matcher is past every draft by now)."""
+    lg = apply_penalties(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+    if lg is raw:
+        lg = raw.clone()
+    if draft is not None and draft.tokens:
+        lg = lg[-(len(draft.tokens) + 1) :]
+    if seq.params.logit_bias:
+        apply_logit_bias(lg, seq.params.logit_bias)
+    if seq.params.constraint is not None:
+        masks = draft.masks if draft is not None else []
+        for j, m in enumerate(masks):
+            lg[j].masked_fill_(~m, float("-inf"))
+        mask_row(seq.params.constraint, lg[len(masks)], eos_ids)
+    return lg
+
+
+def choose_tokens(
+    seqs: Seq[Sequence],
+    chunks: Seq[torch.Tensor],
+    drafts: Seq[Draft | None],
+    generators: Seq[torch.Generator | None],
+    shared: torch.Generator,
+) -> StepTokens:
+    """Every row's accepted drafts and next token from its processed logits ``chunks[r]: [m, V]``.
+
+    Greedy rows accept while the target's argmax agrees and take its argmax: no vocabulary-sized
+    tensor is built for them. Sampled rows get their laws in one batched pass, the acceptance rule
+    over all speculating rows at once, then one batched draw."""
+    flat = torch.cat(list(chunks))  # [M, V]
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c.shape[0])
+    logprobs = torch.log_softmax(flat, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+    argmax = flat.argmax(dim=-1).tolist()
+    accepted = [0] * len(seqs)
+    tokens = [0] * len(seqs)
+    sampled: list[int] = []
+    for r, seq in enumerate(seqs):
+        if not seq.params.is_greedy:
+            sampled.append(r)
+            continue
+        best = argmax[offsets[r] : offsets[r + 1]]
+        d = drafts[r]
+        m = 0
+        if d is not None:
+            while m < len(d.tokens) and d.tokens[m] == best[m]:
+                m += 1
+        accepted[r], tokens[r] = m, best[m]
+    if sampled:
+        rows = [j for r in sampled for j in range(offsets[r], offsets[r + 1])]
+        probs = probs_batch(flat[rows], [seqs[r].params for r in sampled for _ in range(chunks[r].shape[0])])
+        local = {}  # row -> its first position in probs
+        at = 0
+        for r in sampled:
+            local[r] = at
+            at += chunks[r].shape[0]
+        next_dist = [probs[local[r]] for r in sampled]
+        spec = [j for j, r in enumerate(sampled) if drafts[r] is not None and drafts[r].tokens]  # type: ignore[union-attr]
+        if spec:
+            k = max(len(drafts[sampled[j]].tokens) for j in spec)  # type: ignore[union-attr]
+            vocab = probs.shape[1]
+            d_tok = torch.zeros((len(spec), k), dtype=torch.long)
+            d_num = torch.zeros(len(spec), dtype=torch.long)
+            p = torch.zeros((len(spec), k, vocab))
+            q = torch.zeros((len(spec), k + 1, vocab))
+            for row, j in enumerate(spec):
+                r = sampled[j]
+                d = drafts[r]
+                assert d is not None
+                n = len(d.tokens)
+                d_tok[row, :n] = torch.tensor(d.tokens)
+                d_num[row] = n
+                p[row, :n] = torch.stack(d.probs)
+                q[row, : n + 1] = probs[local[r] : local[r] + n + 1]
+            num_acc, dist = accept_batch(d_tok, d_num, p, q, torch.rand((len(spec), k), generator=shared))
+            for row, j in enumerate(spec):
+                accepted[sampled[j]] = int(num_acc[row])
+                next_dist[j] = dist[row]
+        drawn = draw(torch.stack(next_dist), [generators[r] for r in sampled], shared).tolist()
+        for j, r in enumerate(sampled):
+            tokens[r] = int(drawn[j])
+    return StepTokens(accepted, tokens, offsets, logprobs)
+
+
+def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``row``: log-softmax over the processed logits at one position ``[V]``."""
+    alternatives: list[tuple[int, float]] = []
+    if top:
+        values, ids = torch.topk(row, top)
+        alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=True)]
+    return TokenLogprob(token, float(row[token]), alternatives)
