@@ -388,3 +388,34 @@ def test_logit_bias_and_min_p(client: openai.OpenAI, tiny_model_dir: Path) -> No
         logit_bias={str(ids[0]): -100},
     )
     assert biased.choices[0].logprobs is not None and biased.choices[0].logprobs.tokens != [first]
+
+
+def test_schemas_that_cannot_be_enforced_are_400(client: openai.OpenAI) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        # strict: OpenAI's rules (every property required, additionalProperties false)
+        (
+            {
+                "name": "a",
+                "strict": True,
+                "schema": {"type": "object", "properties": {"x": {"type": "string"}}},
+            },
+            "response_format.json_schema.schema",
+        ),
+        # not a schema the grammar compiler understands
+        ({"name": "a", "schema": {"type": "frobnicate"}}, "response_format"),
+    ]
+    for json_schema, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="small",
+                messages=ASK,
+                max_tokens=5,
+                response_format={"type": "json_schema", "json_schema": json_schema},  # type: ignore[typeddict-item]
+            )
+        assert isinstance(info.value.body, dict) and info.value.body["param"] == param
+    bad_tool: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="small", messages=ASK, max_tokens=5, tools=bad_tool, tool_choice="required"
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "tools"
