@@ -405,12 +405,13 @@ def test_schemas_that_cannot_be_enforced_are_400(client: openai.OpenAI) -> None:
         ({"name": "a", "schema": {"type": "frobnicate"}}, "response_format"),
     ]
     for json_schema, param in cases:
+        fmt: Any = {"type": "json_schema", "json_schema": json_schema}
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
                 model="small",
                 messages=ASK,
                 max_tokens=5,
-                response_format={"type": "json_schema", "json_schema": json_schema},  # type: ignore[typeddict-item]
+                response_format=fmt,
             )
         assert isinstance(info.value.body, dict) and info.value.body["param"] == param
     bad_tool: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}]
