@@ -366,3 +366,24 @@ async def test_merged_interleaves_local_choices() -> None:
         seen[index] += out.text
     await merged.aclose()
     assert seen == {0: "a0a1a2", 1: "b0b1b2"}
+
+
+def test_native_tool_template_is_used_when_the_model_has_one(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from router.structured import native_prompt_ids
+    from router.tools import native_tool_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert not native_tool_template(tok)  # the tiny template (like SmolLM2's) has no tool support
+    req = _chat(tools=[WEATHER], tool_choice="required")
+    assert native_prompt_ids(tok, req, output_spec(req)) is None
+    tok.chat_template = (
+        "{% for t in tools %}[TOOL {{ t['function']['name'] }}]{% endfor %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}[CALL {{ c['function']['name'] }}]{% endfor %}{% endfor %}"
+    )
+    assert native_tool_template(tok)
+    ids = native_prompt_ids(tok, req, output_spec(req))
+    assert ids is not None
+    assert tok.decode(ids).startswith("[TOOL get_weather]<user>hi")
