@@ -291,3 +291,26 @@ def test_generated_requests_never_cause_a_5xx(server: Server) -> None:
     assert sum(statuses.values()) >= 60 and statuses[200] > 0 and any(400 <= c < 500 for c in statuses), (
         statuses
     )
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(server: Server) -> None:
+    """Templates may raise (e.g. roles that must alternate): that is the client's conversation."""
+    tokenizer = server.service.tiers.get("small").tokenizer
+    original = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    try:
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "model": "small",
+                "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            },
+        )
+    finally:
+        tokenizer.chat_template = original
+    assert r.status_code == 400 and error_body_ok(r)
+    assert r.json()["error"]["param"] == "messages" and "alternate" in r.json()["error"]["message"]
