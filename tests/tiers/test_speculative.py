@@ -196,3 +196,60 @@ def test_controller_never_explores_where_even_a_perfect_draft_loses() -> None:
     c.record_target(16, 3, 0.2)
     c.record_draft(16, 1, 0.05)
     assert all(c.choose_k(16) == 0 for _ in range(10))
+
+
+async def test_seeded_sampled_requests_do_not_speculate_and_repeat(spec: Engine) -> None:
+    """The documented contract: a seed reproduces a sampled request's output on a speculating tier
+    (whatever the load-dependent k); such requests run without drafting, greedy ones still draft."""
+    ids = prompts(1, seed=14)[0]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
+    spec.spec.fixed_k = 3
+    try:
+        alone = await collect(spec, ids, seeded)
+        crowd = await asyncio.gather(
+            collect(spec, ids, seeded), *(collect(spec, p, greedy(16)) for p in prompts(4, seed=15))
+        )
+    finally:
+        spec.spec.fixed_k = None
+    assert crowd[0][0] == alone[0]
+    assert alone[3].num_draft_tokens == 0 and crowd[0][3].num_draft_tokens == 0
+    assert sum(c[3].num_draft_tokens for c in crowd[1:]) > 0
+
+
+async def test_a_draft_with_a_narrower_head_is_padded_and_lossless(
+    worker: DeviceWorker, tiny_model_dir: Path, plain: Engine
+) -> None:
+    """Qwen2.5-1.5B drafts for 7B with 151,936 vs 152,064 logits: the engine pads the draft's
+    logits and never proposes ids it cannot produce; greedy output is unchanged."""
+    from tiers.engine import Engine as _Engine
+    from tiers.loading import load_model
+    from tiers.model_runner import ModelRunner
+    from tiers.scheduler import SchedulerConfig
+
+    def build() -> _Engine:
+        target = load_model(str(tiny_model_dir), device="cpu")
+        draft = load_model(str(tiny_model_dir), device="cpu")
+        head = draft.model.lm_head
+        narrow = torch.nn.Linear(head.in_features, head.out_features - 16, bias=False)
+        with torch.no_grad():
+            narrow.weight.copy_(target.model.lm_head.weight[: head.out_features - 16])
+        draft.model.lm_head = narrow
+        runner = ModelRunner(target, num_blocks=1024, block_size=4, max_model_len=256)
+        eng = _Engine(
+            "narrow",
+            runner,
+            SchedulerConfig(max_num_seqs=16, max_model_len=256),
+            draft_runner=ModelRunner(draft, num_blocks=1024, block_size=4, max_model_len=256),
+            speculative_tokens=3,
+        )
+        eng.warmup()
+        return eng
+
+    eng = worker.call(build)
+    eng.attach(worker)
+    eng.spec.fixed_k = 3
+    ps = prompts(6, seed=16)
+    got = await asyncio.gather(*(collect(eng, p, greedy(12)) for p in ps))
+    want = await asyncio.gather(*(collect(plain, p, greedy(12)) for p in ps))
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert sum(g[3].num_draft_tokens for g in got) > 0
