@@ -11,6 +11,8 @@ full, so the policy's ``routing.fallback`` picks a tier with headroom, and a req
 tier gets 429 (or 503 for an open circuit) with a ``Retry-After`` computed from the prediction,
 instead of waiting past any realistic client timeout.
 
+Priorities: a tenant's ``priority`` scales its budget (``low`` x0.5: shed first; ``high`` x2).
+
 Fairness: ``FairShare`` keeps, per tier, each caller's admitted requests (tenant, or key for keys
 without one). While several callers have used a tier recently, none may hold more than an equal
 share of the tier's ``max_num_seqs + max_queue``; a caller at its share finds the tier full (the
@@ -159,20 +161,31 @@ def client_deadline_s(headers: Mapping[str, str], policy: Policy) -> float | Non
     return min(value, policy.service.max_request_timeout_s)
 
 
+PRIORITY_FACTOR = {"low": 0.5, "normal": 1.0, "high": 2.0}
+
+
+def priority_factor(policy: Policy, tenant: str | None) -> float:
+    cfg = policy.tenants.get(tenant) if tenant is not None else None
+    return PRIORITY_FACTOR[cfg.priority] if cfg is not None else 1.0
+
+
 def tier_pressures(
     tiers: TierSet,
     policy: Policy,
     deadline_s: float | None,
     fair: FairShare | None = None,
     caller: str | None = None,
+    tenant: str | None = None,
 ) -> dict[str, TierPressure]:
     out: dict[str, TierPressure] = {}
+    factor = priority_factor(policy, tenant)
     for name, backend in tiers.tiers.items():
         cfg = policy.tiers.get(name)
         if cfg is None:
             continue
         load = backend.engine.load() if hasattr(backend, "engine") else backend.client.load()
-        budget = cfg.max_queue_wait_s if deadline_s is None else min(cfg.max_queue_wait_s, deadline_s)
+        allowed = cfg.max_queue_wait_s * factor
+        budget = allowed if deadline_s is None else min(allowed, deadline_s)
         out[name] = TierPressure(
             full=bool(load.is_full),
             wait_s=float(getattr(load, "predicted_wait_s", 0.0) or 0.0),

@@ -214,6 +214,9 @@ class TenantConfig:
     """Tiers this tenant may use (default: all). A decision above them is capped to the highest allowed."""
     rate_limit_rpm: int | None = None
     """Requests per minute for this tenant (token bucket); null = unlimited."""
+    priority: Literal["low", "normal", "high"] = "normal"
+    """Admission under load: the wait a request may be predicted to have is half the tier's
+    ``max_queue_wait_s`` for ``low`` (shed first), twice it for ``high``."""
 
 
 @dataclass(slots=True)

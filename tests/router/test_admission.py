@@ -124,3 +124,32 @@ def test_a_flooding_tenant_cannot_starve_a_light_one(fair_server: Server) -> Non
             t.join(60)
     finally:
         engine.step_hook = None
+
+
+@pytest.fixture(scope="module")
+def priority_server(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from tests.fixtures import tiny_policy_yaml
+    from tests.router.conftest import start_server
+
+    text = tiny_policy_yaml(tiny_model_dir, cache_enabled=False, auth=FAIR_AUTH)
+    text = text.replace("fallback: {small: medium, medium: large, large: null}", "fallback: {}")
+    tenants = "tenants:\n  batch: {priority: low}\n  vip: {priority: high}\nrouting:\n"
+    path = tmp_path_factory.mktemp("priority") / "policy.yaml"
+    path.write_text(text.replace("routing:\n", tenants, 1))
+    srv, stop = start_server(path, watch_policy=False)
+    yield srv
+    stop()
+
+
+def test_priorities_scale_the_wait_budget(priority_server: Server) -> None:
+    engine = priority_server.engine("small")
+    original = engine.load
+    engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=4.0)  # default budget: 5 s
+    try:
+        assert ask(priority_server, x_tenant="batch").status_code == 429  # low: 2.5 s, shed first
+        assert ask(priority_server, x_tenant="someone").status_code == 200  # normal: 5 s
+        engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=8.0)
+        assert ask(priority_server, x_tenant="someone").status_code == 429
+        assert ask(priority_server, x_tenant="vip").status_code == 200  # high: 10 s
+    finally:
+        engine.load = original
