@@ -7,7 +7,8 @@ prefix-cache hit or a preempted sequence's recompute are the same rule from anot
 point. Decodes, prefill chunks and verification tokens share one forward.
 
 Order within a step: running decodes first, then running prefill chunks (so a long prompt
-never stalls decodes; it progresses in what budget is left, at most half of it while others wait),
+never stalls decodes; it progresses in what budget is left, at most half of it while others decode
+or wait),
 then waiting sequences while budget, batch slots and blocks last. When a running sequence cannot
 get blocks for its next tokens, the newest running sequence not yet in the step is preempted by
 recompute: its blocks are freed and it goes back to the front of the queue, keeping its
@@ -132,11 +133,9 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 and self.waiting:
-                # A long prompt may not hold the whole budget while others wait to be admitted
-                # (vLLM's long_prefill_token_threshold): it keeps half, they get the rest.
-                n = min(n, max(1, self.config.max_num_batched_tokens // 2))
+            n = self._chunk(
+                seq.num_tokens - seq.num_computed_tokens, budget, bool(self.waiting or batch.seqs)
+            )
             want = self._spec_wanted(seq) if n == 1 else 0
             lag = seq.num_tokens - seq.num_draft_computed_tokens
             k = min(want, budget - n) if lag <= MAX_DRAFT_CATCHUP else 0
@@ -168,13 +167,13 @@ class Scheduler:
                 continue
             if seq.fork_of is not None and not self._may_fork(seq):
                 break
-            if not self._allocate_new(seq, budget):
+            n = self._allocate_new(seq, budget, contended=len(self.waiting) > 1 or bool(batch.seqs))
+            if not n:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.admitted.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self._add_row(batch, seq, n, 0, follow_draft=True)
             budget -= n
         if not batch.seqs:
@@ -184,6 +183,16 @@ class Scheduler:
         )
         batch.kind = "decode" if decodes == batch.num_seqs else "prefill" if decodes == 0 else "mixed"
         return batch
+
+    def _chunk(self, remaining: int, budget: int, contended: bool) -> int:
+        """Tokens a sequence feeds this step. A long prompt may not hold the whole budget while
+        others decode or wait to be admitted (vLLM's long_prefill_token_threshold): a chunk takes
+        at most half, so a decode's step (its inter-token gap) costs at most half a full-budget
+        forward."""
+        n = min(remaining, budget)
+        if n > 1 and contended:
+            n = min(n, max(1, self.config.max_num_batched_tokens // 2))
+        return n
 
     def _spec_wanted(self, seq: Sequence) -> int:
         if self.spec_budget is None or self.draft_blocks is None or not seq.is_decoding:
@@ -233,9 +242,10 @@ class Scheduler:
             return parent.is_finished
         return parent.num_computed_tokens >= parent.num_prompt_tokens - 1
 
-    def _allocate_new(self, seq: Sequence, budget: int) -> bool:
+    def _allocate_new(self, seq: Sequence, budget: int, *, contended: bool) -> int:
         """Blocks for a sequence joining the batch: a fork of its parent's prompt blocks, or
-        the prefix cache's longest match, then fresh blocks for this step's chunk."""
+        the prefix cache's longest match, then fresh blocks for this step's chunk. Returns the
+        chunk (tokens to feed this step), 0 when the pool cannot hold it."""
         bs = self.blocks.block_size
         prefix: list[int] = []
         if seq.fork_of is not None:
@@ -246,17 +256,17 @@ class Scheduler:
             table = seq.block_table
             prefix = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=seq.num_tokens - 1)
             cached = len(prefix) * bs
-        n = min(seq.num_tokens - cached, budget)
+        n = self._chunk(seq.num_tokens - cached, budget, contended)
         if not self.blocks.allocate(table, cached + n, prefix):
             self.blocks.free(table)  # a fork's shared refs
-            return False
+            return 0
         seq.block_table = table
         seq.fork_of = None
         seq.num_computed_tokens = cached
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = cached
         self._attach_draft_prefix(seq)
-        return True
+        return n
 
     def _attach_draft_prefix(self, seq: Sequence) -> None:
         """A prefix-cache hit in the draft's pool skips the draft's prefill of those tokens too."""

@@ -36,8 +36,8 @@ def test_decodes_and_a_prefill_chunk_share_one_step_under_the_budget() -> None:
     sched.add(long)
     batch = sched.schedule()
     assert batch is not None
-    assert batch.seqs == [a, b, long] and batch.num_new_tokens == [1, 1, 14]
-    assert batch.kind == "mixed" and batch.num_tokens == 16
+    assert batch.seqs == [a, b, long] and batch.num_new_tokens == [1, 1, 8]
+    assert batch.kind == "mixed" and batch.num_tokens == 10
 
 
 def test_a_long_prompt_progresses_in_budget_sized_chunks() -> None:
@@ -192,7 +192,7 @@ def test_a_long_prefill_admitted_first_never_starves_later_decodes() -> None:
         run(sched, batch)
     batch = sched.schedule()
     assert batch is not None and batch.seqs[0] is short and batch.num_new_tokens[0] == 1
-    assert batch.num_new_tokens[1] == 15  # the chunk gets what is left
+    assert batch.num_new_tokens[1] == 8  # the chunk: at most half the budget beside a decode
 
 
 def test_a_long_prefill_leaves_room_for_admissions() -> None:
@@ -204,3 +204,11 @@ def test_a_long_prefill_leaves_room_for_admissions() -> None:
     sched.add(short)
     batch = sched.schedule()
     assert batch is not None and batch.seqs == [long, short] and batch.num_new_tokens == [8, 4]
+
+
+def test_a_lone_long_prompt_uses_the_whole_budget() -> None:
+    sched = make(max_num_batched_tokens=16)
+    s = seq(40)
+    sched.add(s)
+    batch = sched.schedule()
+    assert batch is not None and batch.num_new_tokens == [16]
