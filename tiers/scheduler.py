@@ -123,9 +123,19 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work; ``None`` when there is nothing to run."""
         batch = ScheduledBatch([], [], [], [])
-        budget = self.config.max_num_batched_tokens
-        # 1. Running sequences: decodes first (a long prompt's chunk must never starve them),
-        #    then prefill chunks, each group oldest first.
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        self._schedule_waiting(batch, budget)
+        if not batch.seqs:
+            return None
+        decodes = sum(
+            1 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if n == 1 and s.is_decoding
+        )
+        batch.kind = "decode" if decodes == batch.num_seqs else "prefill" if decodes == 0 else "mixed"
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Running sequences: decodes first (a long prompt's chunk must never starve them), then
+        prefill chunks, each group oldest first. Returns the budget left."""
         order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
         scheduled: set[int] = set()
         for seq in order:
@@ -133,9 +143,8 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = self._chunk(
-                seq.num_tokens - seq.num_computed_tokens, budget, bool(self.waiting or batch.seqs)
-            )
+            contended = bool(self.waiting or batch.seqs)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, contended)
             want = self._spec_wanted(seq) if n == 1 else 0
             lag = seq.num_tokens - seq.num_draft_computed_tokens
             k = min(want, budget - n) if lag <= MAX_DRAFT_CATCHUP else 0
@@ -153,8 +162,11 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             self._add_row(batch, seq, n, k, follow_draft=n > 1 or want > 0)
             budget -= n + k
-        # 2. Waiting sequences, FIFO, while there is room (none right after a preemption: the
-        #    pool is short, and a readmitted sequence would only be preempted again).
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting sequences, FIFO, while there is room - none right after a preemption: the pool
+        is short, and a readmitted sequence would only be preempted again."""
         while (
             self.waiting
             and budget > 0
@@ -176,13 +188,6 @@ class Scheduler:
             batch.admitted.append(seq)
             self._add_row(batch, seq, n, 0, follow_draft=True)
             budget -= n
-        if not batch.seqs:
-            return None
-        decodes = sum(
-            1 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if n == 1 and s.is_decoding
-        )
-        batch.kind = "decode" if decodes == batch.num_seqs else "prefill" if decodes == 0 else "mixed"
-        return batch
 
     def _chunk(self, remaining: int, budget: int, contended: bool) -> int:
         """Tokens a sequence feeds this step. A long prompt may not hold the whole budget while
