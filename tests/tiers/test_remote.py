@@ -19,9 +19,11 @@ def test_circuit_opens_after_consecutive_failures_and_half_opens_after_cooldown(
     now = [100.0]
     monkeypatch.setattr("tiers.remote.time.monotonic", lambda: now[0])
     c = CircuitBreaker(failures=3, cooldown_s=10)
-    c.failure(), c.failure()
+    c.failure()
+    c.failure()
     c.success()  # a success in between resets the count
-    c.failure(), c.failure()
+    c.failure()
+    c.failure()
     assert c.allow() and c.open_for() is None
     c.failure()  # third in a row
     assert not c.allow() and c.open_for() == pytest.approx(10)
