@@ -70,6 +70,8 @@ class BlockManager:
         self.num_queries = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        self._ever_used = bytearray(num_blocks)
+        self._first_uses: list[int] = []
 
     # -- figures ------------------------------------------------------------------------------
     @property
@@ -188,8 +190,17 @@ class BlockManager:
             del self._free[b]
         self.ref_counts[b] += 1
 
+    def take_first_uses(self) -> list[int]:
+        """Blocks handed out for the first time since the last call: the pool must initialise
+        their memory (it was never written) before a forward reads them."""
+        out, self._first_uses = self._first_uses, []
+        return out
+
     def _take_fresh(self) -> int:
         b, _ = self._free.popitem(last=False)
+        if not self._ever_used[b]:
+            self._ever_used[b] = 1
+            self._first_uses.append(b)
         name = self._name_of.pop(b, None)
         if name is not None:
             del self._cached[name]

@@ -155,7 +155,6 @@ class ModelRunner:
         shape = (self.num_layers, num_blocks + 1, block_size, 2, self.num_kv_heads, self.head_dim)
         self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.kv[:, self.scratch_block].zero_()
-        self._zeroed = bytearray(num_blocks)
         self.base = self.model.base_model
         # Llama-family models skip HF's layer stack for a lean loop over the same modules.
         self.fast = FastDecoder(self.model) if fast_path and supports_fast_path(self.model) else None
@@ -192,17 +191,15 @@ class ModelRunner:
         per fed token), ``None`` for ``none``."""
         if not rows:
             return []
-        self._zero_new_blocks(rows)
+        self._zero_new_blocks()
         if self.fast is not None:
             return self._forward_flat(rows)
         return self._forward_padded(rows)
 
-    def _zero_new_blocks(self, rows: list[RowInput]) -> None:
-        fresh = sorted({b for r in rows for b in r.block_table if not self._zeroed[b]})
+    def _zero_new_blocks(self) -> None:
+        fresh = self.blocks.take_first_uses()
         if fresh:
             self.kv[:, fresh] = 0
-            for b in fresh:
-                self._zeroed[b] = 1
 
     def _forward_flat(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
         assert self.fast is not None

@@ -104,3 +104,14 @@ def test_block_names_are_a_chain_over_salt_and_tokens() -> None:
     assert root_hash("a") != root_hash("b")
     # Token ids of any size are encoded unambiguously (no collisions from concatenated digits).
     assert chain_hash(r, [1, 23]) != chain_hash(r, [12, 3])
+
+
+def test_first_uses_are_reported_once() -> None:
+    bm = BlockManager(4, 2)
+    t = BlockTable()
+    assert bm.allocate(t, 4)
+    assert sorted(bm.take_first_uses()) == sorted(t.blocks) and bm.take_first_uses() == []
+    bm.free(t)
+    again = BlockTable()
+    assert bm.allocate(again, 8)  # two reused blocks, two never used
+    assert len(bm.take_first_uses()) == 2
