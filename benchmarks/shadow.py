@@ -8,7 +8,8 @@ tier above, with the shipped caps (``max_concurrent: 2``, ``max_busy_fraction: 0
 workload is identical: held-out corpus prompts, greedy, ``Cache-Control: no-cache``, a fixed
 number of clients. Reported: client latency percentiles per run, the share of answers identical
 between the runs (greedy decoding; batching differences can flip rare ties), and the shadow
-counters (started / recorded / skipped) from ``/metrics``.
+counters (started / recorded / preempted / skipped) from ``/metrics``. Shadowing runs twice: with
+``preempt`` (the default: a real request cancels running shadow answers) and without.
 Writes benchmarks/results/shadow.json and shadow.png.
 """
 
@@ -72,7 +73,8 @@ async def workload(url: str, items: list[str], concurrency: int, max_tokens: int
 
 def shadow_counters(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
         if line.startswith("router_shadow_requests_total{"):
             labels, value = line.rsplit(" ", 1)
             result = labels.split('result="')[1].split('"')[0]
@@ -81,13 +83,14 @@ def shadow_counters(url: str) -> dict[str, float]:
 
 
 def run(policy: Path, items: list[str], concurrency: int, max_tokens: int, port: int) -> dict[str, Any]:
-    with serve(policy, port) as (url, _):
+    admin = port + 100  # /metrics lives on the operator port
+    with serve(policy, port, extra_args=("--admin-port", str(admin))) as (url, _):
         asyncio.run(workload(url, items[:concurrency], concurrency, max_tokens))  # warm-up
         start = time.perf_counter()
         results = asyncio.run(workload(url, items, concurrency, max_tokens))
         wall = time.perf_counter() - start
         time.sleep(2.0)  # let the last shadow answers finish before reading the counters
-        counters = shadow_counters(url)
+        counters = shadow_counters(f"http://127.0.0.1:{admin}")
     lat = [r["latency_s"] for r in results if r["status"] == 200]
     return {
         "wall_s": round(wall, 2),
@@ -104,9 +107,9 @@ def run(policy: Path, items: list[str], concurrency: int, max_tokens: int, port:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.shadow", description=__doc__)
     parser.add_argument("--policy", default=str(ROOT / "policies/default.yaml"))
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--port", type=int, default=18471)
     args = parser.parse_args(argv)
 
@@ -127,26 +130,39 @@ def main(argv: list[str] | None = None) -> int:
             "record_content": False,
         }
         on_path.write_text(yaml.safe_dump(base, sort_keys=False))
+        base["shadow"]["preempt"] = False
+        base["shadow"]["log_path"] = str(Path(tmp) / "shadow-nopreempt.jsonl")
+        keep_path = Path(tmp) / "on-nopreempt.yaml"
+        keep_path.write_text(yaml.safe_dump(base, sort_keys=False))
         off = run(off_path, items, args.concurrency, args.max_tokens, args.port)
         on = run(on_path, items, args.concurrency, args.max_tokens, args.port + 1)
-        logged = (
-            sum(1 for _ in (Path(tmp) / "shadow.jsonl").open())
-            if (Path(tmp) / "shadow.jsonl").exists()
-            else 0
-        )
-    same = sum(a["text"] == b["text"] for a, b in zip(off["results"], on["results"], strict=True))
-    same_tier = sum(a["tier"] == b["tier"] for a, b in zip(off["results"], on["results"], strict=True))
+        keep = run(keep_path, items, args.concurrency, args.max_tokens, args.port + 2)
+        logged = {
+            name: sum(1 for _ in f.open()) if f.exists() else 0
+            for name, f in (
+                ("preempt", Path(tmp) / "shadow.jsonl"),
+                ("no_preempt", Path(tmp) / "shadow-nopreempt.jsonl"),
+            )
+        }
+
+    def compare(other: dict[str, Any]) -> dict[str, Any]:
+        pairs = list(zip(off["results"], other["results"], strict=True))
+        return {
+            **{k: v for k, v in other.items() if k != "results"},
+            "identical_answers": f"{sum(a['text'] == b['text'] for a, b in pairs)}/{len(pairs)}",
+            "identical_tiers": f"{sum(a['tier'] == b['tier'] for a, b in pairs)}/{len(pairs)}",
+            "p50_change_pct": round(100 * (other["p50_s"] / off["p50_s"] - 1), 1),
+            "p90_change_pct": round(100 * (other["p90_s"] / off["p90_s"] - 1), 1),
+        }
+
     summary = {
         "requests": len(items),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "shadow_off": {k: v for k, v in off.items() if k != "results"},
-        "shadow_on": {k: v for k, v in on.items() if k != "results"},
+        "shadow_on_preempt": compare(on),
+        "shadow_on_no_preempt": compare(keep),
         "shadow_lines_logged": logged,
-        "identical_answers": f"{same}/{len(items)}",
-        "identical_tiers": f"{same_tier}/{len(items)}",
-        "p50_change_pct": round(100 * (on["p50_s"] / off["p50_s"] - 1), 1),
-        "p90_change_pct": round(100 * (on["p90_s"] / off["p90_s"] - 1), 1),
     }
     import matplotlib
 
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-    for name, r in (("shadow off", off), ("shadow on (100 %)", on)):
+    for name, r in (("shadow off", off), ("shadow 100 %, preempt", on), ("shadow 100 %, no preempt", keep)):
         lat = sorted(x["latency_s"] for x in r["results"] if x["status"] == 200)
         ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=f"{name}: p50 {r['p50_s']} s")
     ax.set_xlabel("client latency (s)")

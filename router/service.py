@@ -353,6 +353,8 @@ class RouterService:
             source, prompt_tokens_hint = self._local_stream(backend, gen)
         # Counted against the caller's share of the tier until the answer ends (router.admission).
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0])
+        if policy.shadow.preempt:
+            self.shadow.preempt()  # real traffic first: running shadow answers give way
         shadow_tier = self.shadow.target(policy, d, ctx.tenant)
         if shadow_tier is not None:
             source[0] = self._shadow_after(source[0], shadow_tier, gen, ctx, d, policy, rid)

@@ -12,7 +12,9 @@ answer or its latency:
   generations run at once; otherwise it is skipped (counted, never queued). A shadow request
   therefore never waits in a queue ahead of a real one, and never holds more than a small,
   fixed share of a tier's slots;
-* its output is capped at ``max_tokens``.
+* its output is capped at ``max_tokens``, and with ``preempt`` (the default) any real request
+  that arrives cancels the running shadow answers at once: on shared CPUs a free sequence slot is
+  not free compute, and the user's request must not share the cores with a shadow.
 
 **Feedback** (``POST /v1/feedback``): ``{"id": ..., "score": 0..1}`` or ``{"id", "thumbs":
 "up"|"down"}`` for an answer this service issued, named by the ``x-router-response-id`` header
@@ -166,8 +168,9 @@ class ShadowRecorder:
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = Counter(
             "router_shadow_requests",
-            "Shadow requests by result: started, recorded, failed, skipped_busy (target tier had "
-            "a queue or too few free slots), skipped_concurrency (max_concurrent reached)",
+            "Shadow requests by result: started, recorded, failed, preempted (a real request "
+            "arrived), skipped_busy (target tier had a queue or too few free slots), "
+            "skipped_concurrency (max_concurrent reached)",
             ["tier", "result"],
             registry=registry,
         )
@@ -253,12 +256,23 @@ class ShadowRecorder:
             _JsonlWriter(cfg.log_path).write(row)
             self.tokens.labels(tier).inc(tokens)
             self.requests.labels(tier, "recorded").inc()
+        except asyncio.CancelledError:
+            # Preempted by real traffic: the engine request was aborted as the stream closed.
+            self.requests.labels(tier, "preempted").inc()
+            raise
         except Exception:  # a shadow failure is logged and counted, never the user's problem
             log.warning("shadow generation on tier %s failed", tier, exc_info=True)
             self.requests.labels(tier, "failed").inc()
         finally:
             self._running -= 1
             self.in_flight.dec()
+
+    def preempt(self) -> int:
+        """Cancel every running shadow answer (a real request needs the capacity); how many."""
+        running = [t for t in self._tasks if not t.done()]
+        for task in running:
+            task.cancel()
+        return len(running)
 
     async def drain(self, timeout: float) -> None:
         if self._tasks:

@@ -325,6 +325,9 @@ class ShadowConfig:
     sequence slots busy."""
     max_tokens: int = 256
     """Output cap of a shadow answer."""
+    preempt: bool = True
+    """A real request arriving cancels the running shadow answers (counted as ``preempted``): on
+    shared CPUs, free sequence slots are not free compute. Off where tiers have spare devices."""
     log_path: str = "shadow.jsonl"
     record_content: bool | None = None
     """Write prompts and answers; null = ``service.telemetry.record_content``."""

@@ -180,3 +180,37 @@ def test_sampling_and_targets() -> None:
     rec = ShadowRecorder(rng=random.Random(1))
     hits = sum(rec.target(half, Decision("small", "d", "", 0.1), None) == "large" for _ in range(4000))
     assert 850 < hits < 1150
+
+
+def test_a_real_request_preempts_running_shadow_answers(tmp_path: Path) -> None:
+    import asyncio
+
+    from tiers.output import StepOutput
+
+    closed: list[bool] = []
+
+    async def slow() -> Any:
+        try:
+            yield StepOutput("a", [1])
+            await asyncio.sleep(30)  # a long shadow answer
+            yield StepOutput("b", [2], finish_reason="stop")
+        finally:
+            closed.append(True)  # the engine request is aborted when its stream closes
+
+    async def scenario() -> tuple[int, ShadowRecorder]:
+        rec = ShadowRecorder()
+        cfg = parse_policy(
+            "tiers: {small: {model: m}, medium: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n"
+            f"shadow: {{enabled: true, sample: 1.0, log_path: {tmp_path / 's.jsonl'}}}\n"
+        ).shadow
+        assert rec.launch(cfg, "medium", Load(), slow, {"id": "r"}, record_content=False)
+        await asyncio.sleep(0.05)
+        n = rec.preempt()
+        await rec.drain(1.0)
+        return n, rec
+
+    n, rec = asyncio.run(scenario())
+    assert n == 1 and closed == [True]
+    assert rec.requests.labels("medium", "preempted")._value.get() == 1
+    assert rec.requests.labels("medium", "recorded")._value.get() == 0
+    assert rec.in_flight._value.get() == 0 and not (tmp_path / "s.jsonl").exists()
