@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -30,10 +30,11 @@ def metric(url: str, name: str) -> float:
 def route(url: str) -> dict[str, object]:
     r = httpx.post(url + "/v1/route", json={"messages": [{"role": "user", "content": "hello there"}]})
     assert r.status_code == 200
-    return r.json()  # type: ignore[no-any-return]
+    body: dict[str, object] = r.json()
+    return body
 
 
-def wait_for(pred, timeout: float = 2.0) -> float:  # type: ignore[no-untyped-def]
+def wait_for(pred: Callable[[], object], timeout: float = 2.0) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if pred():
