@@ -1,0 +1,71 @@
+"""The llama.cpp peer benchmark's own arithmetic: pairing, ratio direction, request counts, arguments
+(the benchmark itself needs a llama-server binary and is not part of the suite)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.peer_llamacpp import num_requests, parse_args, ratios, summarize
+
+
+def _summary(tok_per_s: float, ttft: float, rss: float = 100.0) -> dict:
+    return {"tok_per_s": tok_per_s, "ttft_p50_s": ttft, "ttft_p99_s": 2 * ttft, "rss_peak_mb": rss}
+
+
+def test_ratios_pair_each_tier_with_its_peer_and_keep_direction():
+    results = {
+        "llama-q4_1": {"1": _summary(100, 0.1), "16": _summary(200, 0.5)},
+        "llama-f32": {"1": _summary(50, 0.2)},
+        "small": {"1": _summary(80, 0.15), "16": _summary(400, 0.4)},
+        "large": {"1": _summary(75, 0.1, rss=300)},
+    }
+    r = ratios(results)
+    assert set(r) == {"small", "large"}  # no medium results, no medium ratio
+    assert r["small"]["1"]["peer"] == "llama-q4_1"
+    assert r["small"]["1"]["tok_per_s"] == pytest.approx(0.8)  # ours / theirs: < 1 is slower
+    assert r["small"]["16"]["tok_per_s"] == pytest.approx(2.0)
+    assert r["small"]["1"]["ttft_p50"] == pytest.approx(1.5)  # > 1: our first token comes later
+    assert r["large"]["1"]["peer"] == "llama-f32"  # fp32 against F32, not against Q4_1
+    assert r["large"]["1"]["tok_per_s"] == pytest.approx(1.5)
+    assert r["large"]["1"]["rss_peak"] == pytest.approx(3.0)
+    assert "16" not in r["large"]  # the peer has no such level
+
+
+def test_ratios_of_failed_levels_are_none_not_nan():
+    results = {"llama-q4_1": {"1": _summary(0.0, float("nan"))}, "small": {"1": _summary(80, 0.1)}}
+    r = ratios(results)["small"]["1"]
+    assert r["tok_per_s"] is None
+    assert r["ttft_p50"] is None
+
+
+def test_summarize_counts_only_successful_requests():
+    samples = [
+        {"ttft_s": 0.1, "e2e_s": 1.0, "tokens": 64},
+        {"ttft_s": 0.3, "e2e_s": 1.2, "tokens": 64},
+        {"error": "HTTP 503", "ttft_s": 0, "e2e_s": 0, "tokens": 0},
+    ]
+    s = summarize(samples, wall_s=2.0)
+    assert s["errors"] == 1
+    assert s["tok_per_s"] == pytest.approx(64.0)
+    assert s["ttft_p50_s"] == pytest.approx(0.2)
+    assert s["tokens_per_request"] == [64]
+    assert math.isnan(summarize([], 1.0)["ttft_p50_s"])
+
+
+def test_num_requests_covers_every_prompt_in_whole_waves():
+    assert num_requests(12, 1) == 12
+    assert num_requests(12, 4) == 12
+    assert num_requests(12, 16) == 32
+    assert num_requests(12, 5) == 15
+
+
+def test_arguments():
+    a = parse_args(["--concurrency", "1,8", "--targets", "small,llama-f32"])
+    assert a.concurrency == [1, 8]
+    assert a.targets == ["small", "llama-f32"]
+    with pytest.raises(SystemExit):
+        parse_args(["--targets", "huge"])
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "0"])
