@@ -420,3 +420,23 @@ def test_schemas_that_cannot_be_enforced_are_400(client: openai.OpenAI) -> None:
             model="small", messages=ASK, max_tokens=5, tools=bad_tool, tool_choice="required"
         )
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "tools"
+
+
+def test_sdk_stream_helper_parses_content_and_tool_calls(client: openai.OpenAI) -> None:
+    # The SDK's own stream accumulator (chat.completions.stream) over our chunks.
+    with client.chat.completions.stream(
+        model="medium", messages=ASK, response_format=Answer, max_completion_tokens=200, temperature=0
+    ) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Answer)
+    with client.chat.completions.stream(
+        model="medium",
+        messages=ASK,
+        tools=[openai.pydantic_function_tool(WeatherArgs, name="get_weather")],
+        tool_choice="required",
+        max_completion_tokens=200,
+        temperature=0,
+    ) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls or []
+    assert calls and isinstance(calls[0].function.parsed_arguments, WeatherArgs)  # type: ignore[union-attr]
