@@ -436,7 +436,7 @@ def test_sdk_stream_helper_parses_content_and_tool_calls(client: openai.OpenAI) 
         tool_choice="required",
         max_completion_tokens=200,
         temperature=0,
-    ) as stream:
-        final = stream.get_final_completion()
-    calls = final.choices[0].message.tool_calls or []
-    assert calls and isinstance(calls[0].function.parsed_arguments, WeatherArgs)  # type: ignore[union-attr]
+    ) as tool_stream:
+        done = tool_stream.get_final_completion()
+    calls = done.choices[0].message.tool_calls or []
+    assert calls and isinstance(calls[0].function.parsed_arguments, WeatherArgs)
