@@ -54,7 +54,9 @@ routing:
         assert isinstance(small, LocalTier) and isinstance(medium, LocalTier)
         assert small.engine.runner.model is medium.engine.runner.model  # one copy of the weights
         assert medium.engine.draft is not None and medium.engine.draft.model is small.engine.runner.model
-        assert medium.engine.draft.k[0] is not small.engine.runner.k[0]  # the draft keeps its own KV
+        # The draft runs on the small tier's runner: its KV blocks are budgeted in small's pool.
+        assert medium.engine.draft is small.engine.runner
+        assert medium.engine.scheduler.draft_blocks is small.engine.runner.blocks
         assert isinstance(tiers.get("remote"), RemoteBackend)
     finally:
         for engine in tiers.engines():
