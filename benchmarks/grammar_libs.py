@@ -6,6 +6,7 @@ object, a nested schema, a tool-call schema) cold and cached, and the per-token 
 the next-token mask and advancing the matcher while walking a valid document token by token (the
 work the engine does for every constrained row of every step).
 
+    .venv/bin/pip install xgrammar   # the losing candidate is not a project dependency
     flock /tmp/bench.lock .venv/bin/python -m benchmarks.grammar_libs
 """
 
