@@ -45,16 +45,23 @@ class TokenCounts(TransformerMixin, BaseEstimator):
 
     The routing score uses :data:`classifier.text.OUTCOME_GROUPS` (the same counts plus domain
     cues); the first group must be the total token count. With ``gate``, the ``gated`` groups
-    count only in prompts where the ``gate`` group is absent (0 otherwise): the routing score
-    gates its domain cues on "not a multiple-choice exam question" (see classifier/README.md).
+    count only in prompts where the ``gate`` group counts fewer than ``gate_at`` (0 otherwise):
+    the routing score gates its domain cues on "not a multiple-choice exam question" (see
+    classifier/README.md).
     """
 
     def __init__(
-        self, groups: Groups | None = None, gate: str | None = None, gated: tuple[str, ...] = ()
+        self,
+        groups: Groups | None = None,
+        gate: str | None = None,
+        gated: tuple[str, ...] = (),
+        gate_at: int = 1,
     ) -> None:
         self.groups = groups
         self.gate = gate
         self.gated = gated
+        self.gate_at = gate_at
+        """The gated groups are zeroed where the gate group counts at least this many."""
 
     def _mask(self) -> tuple[int, list[float]] | None:
         """``(gate column, 0/1 mask of gated columns)``, or None without a gate."""
@@ -81,7 +88,7 @@ class TokenCounts(TransformerMixin, BaseEstimator):
         if gating is not None:
             col, mask = gating
             m = np.asarray(mask)
-            counts = counts * ((1.0 - m) + m * (counts[:, [col]] == 0.0))
+            counts = counts * ((1.0 - m) + m * (counts[:, [col]] < self.gate_at))
         return np.log1p(counts).astype(np.float32)
 
     def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
@@ -176,7 +183,7 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
     joined = counts if gating is None else name("ungated")
     container.add_node("Concat", [total, grouped], joined, name=name("Concat"), axis=1)
     if gating is not None:
-        # counts * ((1 - mask) + mask * [gate count == 0]): gated columns vanish where the gate fires.
+        # counts * ((1 - mask) + mask * [gate count < gate_at]): gated columns vanish where it fires.
         col, mask = gating
         width = len(mask)
         gate_count, gate_open, gate_float, opened, factor = (
@@ -188,8 +195,8 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
         )
         index = const("gate_index", TensorProto.INT64, [1], [col])
         container.add_node("Gather", [joined, index], gate_count, name=name("Gather"), axis=1)
-        zero = const("zero", TensorProto.FLOAT, [], [0.0])
-        container.add_node("Equal", [gate_count, zero], gate_open, name=name("Equal"))
+        at = const("gate_at", TensorProto.FLOAT, [], [float(operator.raw_operator.gate_at)])
+        container.add_node("Less", [gate_count, at], gate_open, name=name("Less"))
         container.add_node("Cast", gate_open, gate_float, name=name("Cast"), to=TensorProto.FLOAT)
         mask_c = const("gate_mask", TensorProto.FLOAT, [1, width], mask)
         keep_c = const("gate_keep", TensorProto.FLOAT, [1, width], [1.0 - v for v in mask])

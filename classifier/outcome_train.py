@@ -108,7 +108,7 @@ def _features(config: OutcomeConfig) -> Any:
     from classifier.features import TokenCounts
 
     counts = (
-        TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS)
+        TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS, gate_at=3)
         if config.gate_domain
         else TokenCounts(OUTCOME_GROUPS)
     )

@@ -338,13 +338,10 @@ OUTCOME_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "explain",
         ),
     ),
-    # Lettered options and a trailing "Answer:": a multiple-choice exam question. Outcome data
-    # from such benchmarks then gets its own offset instead of skewing the weights of the cues
-    # above for free-form prompts.
-    (
-        "choices",
-        (f"{NEWLINE_MARK} a", f"{NEWLINE_MARK} b", f"{NEWLINE_MARK} c", f"{NEWLINE_MARK} d", "answer :"),
-    ),
+    # Lettered option markers ("A." or "(A)"): three or more make a multiple-choice exam question,
+    # on which the routing score gates its domain cues off (classifier/outcome_train.py). A bare
+    # "Answer:" does not: few-shot maths prompts end that way and are not multiple choice.
+    ("choices", ("a .", "b .", "c .", "d .", "a )", "b )", "c )", "d )")),
 )
 
 _WORD_TOKEN = re.compile(WORD_TOKEN_PATTERN)

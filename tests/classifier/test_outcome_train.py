@@ -98,14 +98,19 @@ def test_domain_cues_are_gated_off_on_multiple_choice_questions() -> None:
     from classifier.text import OUTCOME_GROUPS, model_text
 
     names = [n for n, _ in OUTCOME_GROUPS]
-    counts = TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS).fit([])
+    counts = TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS, gate_at=3).fit([])
     ask = "Write a python function to solve the equation x + 2 = 5."
-    free, exam = counts.transform([model_text(ask), model_text(ask + "\nA. 3\nB. 4\nAnswer:")])
+    exam_text = ask + "\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:"
+    free, exam = counts.transform([model_text(ask), model_text(exam_text)])
     for group in DOMAIN_GROUPS:
         if group in ("writing", "code", "math_words", "math_symbols"):
             assert free[names.index(group)] > 0, group
         assert exam[names.index(group)] == 0, group
     assert exam[names.index("tokens")] > free[names.index("tokens")]  # ungated counts stay
+    # A bare "Answer:" (few-shot maths) or one lettered aside is not a multiple-choice question.
+    for text in (ask + "\nAnswer:", ask + " Is it plan a. or plan b.?"):
+        (row,) = counts.transform([model_text(text)])
+        assert row[names.index("code")] > 0, text
     with pytest.raises(ValueError, match="unknown count groups"):
         TokenCounts(OUTCOME_GROUPS, gate="nope").fit([]).transform(["x"])
 
