@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.routing_quality", description=__doc__)
     parser.add_argument("--outcomes", default=str(DEFAULT_OUTCOMES))
     parser.add_argument("--no-cv", action="store_true", help="skip the cross-validation (a few seconds)")
+    parser.add_argument(
+        "--no-latency",
+        action="store_true",
+        help="skip the latency run (for a machine busy with other timing)",
+    )
     args = parser.parse_args(argv)
 
     rows = load_outcomes(args.outcomes)
@@ -137,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             "curves": {name: m["curve"] for name, m in curves.items()},
             "per_subject_apgr": per_subject,
         },
-        "latency_200_words": latency(clf),
     }
+    if not args.no_latency:
+        result["latency_200_words"] = latency(clf)
     if not args.no_cv:
         kept = [r for r in rows if r["subject"] not in DROPPED_SUBJECTS]
         result["grouped_cv"] = grouped_cv(kept)
