@@ -121,6 +121,9 @@ def serve(
             str(policy),
             "--port",
             str(port),
+            # Operator endpoints (/metrics, /dashboard) on the API port unless a caller asks for
+            # an admin listener: the benchmarks read them from the URL they were given.
+            *(() if "--admin-port" in extra_args else ("--admin-port", "0")),
             *extra_args,
         ],
         cwd=root,

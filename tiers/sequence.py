@@ -179,6 +179,9 @@ class Sequence:
             raise ValueError("prompt_token_ids must not be empty")
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # Block names are chained from the partition's salt: a table salted otherwise would
+        # publish this tenant's blocks where another partition finds them.
+        self.block_table.salt = self.draft_table.salt = self.cache_salt
 
     @property
     def num_tokens(self) -> int:

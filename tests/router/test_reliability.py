@@ -121,7 +121,8 @@ def test_repeated_disconnects_leak_nothing(small_server: Server) -> None:
     small_server.wait_idle()
     gc.collect()
     for engine in small_server.service.tiers.engines():
-        assert not engine._tracked and engine.runner.blocks.num_used_blocks == 0 and not engine.scheduler.running
+        assert not engine._tracked and not engine.scheduler.running
+        assert engine.runner.blocks.num_used_blocks == 0
     assert small_server.service.in_flight == 0
     metrics = httpx.get(small_server.url + "/metrics").text
     for line in metrics.splitlines():

@@ -398,3 +398,25 @@ async def test_a_fault_after_some_rows_were_delivered_never_repeats_their_tokens
         engine._postprocess = original  # type: ignore[method-assign]
     assert fired
     assert [r[0] for r in results] == [s[0] for s in solo]
+
+
+async def test_prefix_cache_partitions_hit_within_and_never_across(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """Regression: tables were salted with '' whatever the request's partition, so a tenant's
+    blocks were published to the unsalted partition and never found under the tenant's own."""
+    eng = make_engine(worker, tiny_model_dir, prefix_caching=True, name="salted")
+    assert isinstance(eng, Engine)
+    prompt = prompts(1, seed=29)[0] * 3
+
+    async def cached(salt: str) -> int:
+        last = None
+        async for out in eng.submit([*prompt, 5], greedy(2), cache_salt=salt):
+            last = out
+        assert last is not None
+        return last.num_cached_tokens
+
+    assert await cached("tenant-a") == 0
+    assert await cached("tenant-a") > 0  # hit within the partition
+    assert await cached("tenant-b") == 0  # never across
+    assert await cached("") == 0
