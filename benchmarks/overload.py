@@ -146,8 +146,8 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
                 "offered": len(in_w),
                 "accepted": sum(1 for r in in_w if r["status"] == 200),
                 "answered": len(done),
-                "ttft_p50": percentile(tt, 50) if tt else None,
-                "ttft_p99": percentile(tt, 99) if tt else None,
+                "ttft_p50": percentile(tt, 0.5) if tt else None,
+                "ttft_p99": percentile(tt, 0.99) if tt else None,
             }
         )
     return {
@@ -156,9 +156,9 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
         "statuses": dict(Counter(str(r["status"]) for r in log)),
         "incomplete_200": sum(1 for r in log if r["status"] == 200 and not r.get("complete")),
         "goodput_tok_s": round(sum(r["tokens"] for r in ok) / max(elapsed, 1e-9), 2),
-        "ttft_p50_s": round(percentile(ttft, 50), 3) if ttft else None,
-        "ttft_p99_s": round(percentile(ttft, 99), 3) if ttft else None,
-        "rejection_p99_ms": round(percentile(rej_lat, 99) * 1000, 1) if rej_lat else None,
+        "ttft_p50_s": round(percentile(ttft, 0.5), 3) if ttft else None,
+        "ttft_p99_s": round(percentile(ttft, 0.99), 3) if ttft else None,
+        "rejection_p99_ms": round(percentile(rej_lat, 0.99) * 1000, 1) if rej_lat else None,
         "rejections_without_retry_after": sum(1 for r in rejected if not r.get("retry_after")),
         "non_503_5xx": sum(1 for r in rejected if r["status"] >= 500 and r["status"] != 503),
         "timeline": timeline,
