@@ -87,6 +87,10 @@ class FairShare:
         if caller is not None:
             self._seen[tier][caller] = time.monotonic()
 
+    def held(self, tier: str, caller: str | None) -> int:
+        """Requests ``caller`` has in flight on ``tier`` now (the engine queues fewer first)."""
+        return 0 if caller is None else self._held[tier][caller]
+
     def over_share(self, tier: str, caller: str | None, capacity: int) -> bool:
         """True when ``caller`` holds its share of ``tier`` already."""
         if caller is None:

@@ -102,6 +102,8 @@ class Engine:
         """Called before each step's forwards (tests inject faults and count steps here)."""
         self.num_steps = 0
         self._step_ema = 0.0
+        """Moving average of the time between this engine's steps while it has work (seconds)."""
+        self._last_step_start = 0.0
         self._steps_per_seq_ema = 32.0
 
     def _eos_ids(self) -> frozenset[int]:
@@ -151,15 +153,21 @@ class Engine:
 
     # -- intake (any thread) --------------------------------------------------------------------
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str = ""
+        self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str = "", priority: int = 0
     ) -> RequestHandle:
         """Queue a request; raises ``EngineFullError`` when the waiting queue is full and
         ``ValueError`` when the prompt cannot fit the context. ``cache_salt`` names the
-        prefix-cache partition (the tenant): KV is shared only within one."""
-        return self.submit_n(prompt_token_ids, [params], cache_salt=cache_salt)[0]
+        prefix-cache partition (the tenant): KV is shared only within one. ``priority``: queue
+        order, lower first (see ``Sequence.priority``)."""
+        return self.submit_n(prompt_token_ids, [params], cache_salt=cache_salt, priority=priority)[0]
 
     def submit_n(
-        self, prompt_token_ids: list[int], params: list[SamplingParams], *, cache_salt: str = ""
+        self,
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        *,
+        cache_salt: str = "",
+        priority: int = 0,
     ) -> list[RequestHandle]:
         """``n > 1``: one sequence per entry of ``params`` over the same prompt (each its own seed
         and constraint); the later ones fork the first one's prompt blocks once it has computed
@@ -178,7 +186,13 @@ class Engine:
         handles = []
         leader: Sequence | None = None
         for p in params:
-            seq = Sequence(list(prompt_token_ids), p, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+            seq = Sequence(
+                list(prompt_token_ids),
+                p,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
+                priority=priority,
+            )
             seq.fork_of = leader
             leader = leader or seq
             handle = RequestHandle(self, seq, loop)
@@ -239,7 +253,13 @@ class Engine:
             for seq in list(batch.seqs if batch is not None else self.scheduler.running):
                 self._fail(seq, "internal error in the engine step")
         elapsed = time.perf_counter() - started
-        self._step_ema = elapsed if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * elapsed
+        # The wait a request sees is the period between this engine's steps, not a step's own
+        # length: the device thread steps every tier in turn.
+        gap = started - self._last_step_start if self._last_step_start else 0.0
+        period = gap if 0.0 < gap < 10.0 else elapsed
+        # Only while busy: after an idle spell the gap measures idleness, not the device's pace.
+        self._last_step_start = started if self.scheduler.has_work() else 0.0
+        self._step_ema = period if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * period
         self.num_steps += 1
         if self.observer is not None and batch is not None:
             self.observer.on_step(self.name, batch.kind, batch.num_seqs, elapsed)

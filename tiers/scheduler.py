@@ -103,7 +103,16 @@ class Scheduler:
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue ``seq`` behind every waiting sequence of the same or a lower priority value
+        (preempted sequences stay at the front: they already hold a turn)."""
+        pos = len(self.waiting)
+        while (
+            pos > 0
+            and self.waiting[pos - 1].priority > seq.priority
+            and not self.waiting[pos - 1].num_preemptions
+        ):
+            pos -= 1
+        self.waiting.insert(pos, seq)
 
     @property
     def num_running(self) -> int:

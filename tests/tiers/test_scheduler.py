@@ -212,3 +212,16 @@ def test_a_lone_long_prompt_uses_the_whole_budget() -> None:
     sched.add(s)
     batch = sched.schedule()
     assert batch is not None and batch.num_new_tokens == [16]
+
+
+def test_waiting_sequences_are_ordered_by_priority_then_arrival() -> None:
+    sched = make(max_num_seqs=1)
+    busy = seq(3)
+    sched.add(busy)
+    sched.schedule()
+    heavy = [seq(3, start=10 * i + 20, priority=5) for i in range(3)]
+    for s in heavy:
+        sched.add(s)
+    light = seq(3, start=90, priority=1)
+    sched.add(light)
+    assert list(sched.waiting) == [light, *heavy]
