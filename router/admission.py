@@ -190,9 +190,14 @@ def tier_pressures(
         load = backend.engine.load() if hasattr(backend, "engine") else backend.client.load()
         allowed = cfg.max_queue_wait_s * factor
         budget = allowed if deadline_s is None else min(allowed, deadline_s)
+        wait = float(getattr(load, "predicted_wait_s", 0.0) or 0.0)
+        if hasattr(backend, "engine") and fair is not None:
+            # The engine queues a caller behind those with no more requests in flight than its
+            # own, so its wait counts only them: a light caller is not refused for a heavy one's queue.
+            wait = backend.engine.predicted_wait(fair.held(name, caller))
         out[name] = TierPressure(
             full=bool(load.is_full),
-            wait_s=float(getattr(load, "predicted_wait_s", 0.0) or 0.0),
+            wait_s=wait,
             budget_s=budget,
             circuit_open_s=getattr(load, "circuit_open_s", None),
             over_share=fair is not None and fair.over_share(name, caller, cfg.max_num_seqs + cfg.max_queue),

@@ -139,6 +139,12 @@ class Engine:
             predicted_wait_s=self._predicted_wait(sched.num_running, waiting),
         )
 
+    def predicted_wait(self, priority: int) -> float:
+        """``load().predicted_wait_s`` for a request queued at ``priority``: only waiting
+        sequences that would stay ahead of it count (see ``Scheduler.add``)."""
+        ahead = sum(1 for s in list(self.scheduler.waiting) if s.priority <= priority)
+        return self._predicted_wait(self.scheduler.num_running, ahead + self._inbox.qsize())
+
     def _predicted_wait(self, running: int, waiting: int) -> float:
         """Seconds until a request submitted now gets its first token, from measured step times:
         requests beyond the free batch slots wait for running ones to finish (a sequence lives

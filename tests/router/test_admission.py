@@ -27,11 +27,16 @@ def predicted(server: Server) -> Iterator[dict[str, float]]:
         def load(original: Any = original, name: str = name) -> Any:
             return dataclasses.replace(original(), predicted_wait_s=waits.get(name, 0.0))
 
+        def wait(priority: int, name: str = name) -> float:
+            return waits.get(name, 0.0)
+
         engine.load = load
+        engine.predicted_wait = wait  # the caller-aware estimate admission reads
         patched.append((engine, original))
     yield waits
     for engine, original in patched:
         engine.load = original
+        del engine.predicted_wait
 
 
 def ask(server: Server, model: str = "small", **headers: str) -> httpx.Response:
@@ -144,12 +149,15 @@ def priority_server(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactor
 def test_priorities_scale_the_wait_budget(priority_server: Server) -> None:
     engine = priority_server.engine("small")
     original = engine.load
-    engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=4.0)  # default budget: 5 s
+    wait = {"s": 4.0}
+    engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=wait["s"])  # default budget: 5 s
+    engine.predicted_wait = lambda priority: wait["s"]
     try:
         assert ask(priority_server, x_tenant="batch").status_code == 429  # low: 2.5 s, shed first
         assert ask(priority_server, x_tenant="someone").status_code == 200  # normal: 5 s
-        engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=8.0)
+        wait["s"] = 8.0
         assert ask(priority_server, x_tenant="someone").status_code == 429
         assert ask(priority_server, x_tenant="vip").status_code == 200  # high: 10 s
     finally:
         engine.load = original
+        del engine.predicted_wait
