@@ -256,17 +256,7 @@ class ModelRunner:
             groups,
             self.kv,
         )  # [N, hidden]
-        picks: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        for k, r in enumerate(rows):
-            n = len(r.token_ids)
-            if r.logits == "none":
-                spans.append(None)
-                continue
-            cols = range(n - 1, n) if r.logits == "last" else range(n)
-            spans.append((len(picks), len(picks) + len(cols)))
-            picks += [offsets[k] + c for c in cols]
-        return self._logits(hidden, picks, spans)
+        return self._logits(hidden, rows, offsets)
 
     def _forward_padded(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
         dev = self.device
@@ -294,21 +284,22 @@ class ModelRunner:
             use_cache=True,
         )
         hidden = out.last_hidden_state.reshape(num_rows * width, -1)  # [B*T, hidden]
+        return self._logits(hidden, rows, [i * width for i in range(num_rows)])
+
+    def _logits(
+        self, hidden: torch.Tensor, rows: list[RowInput], offsets: list[int]
+    ) -> list[torch.Tensor | None]:
+        """Logits of the positions each row asked for; ``offsets[i]``: row i's first token in ``hidden``."""
         picks: list[int] = []
         spans: list[tuple[int, int] | None] = []
-        for i, r in enumerate(rows):
+        for r, first in zip(rows, offsets, strict=True):
             n = len(r.token_ids)
             if r.logits == "none":
                 spans.append(None)
                 continue
             cols = range(n - 1, n) if r.logits == "last" else range(n)
             spans.append((len(picks), len(picks) + len(cols)))
-            picks += [i * width + c for c in cols]
-        return self._logits(hidden, picks, spans)
-
-    def _logits(
-        self, hidden: torch.Tensor, picks: list[int], spans: list[tuple[int, int] | None]
-    ) -> list[torch.Tensor | None]:
+            picks += [first + c for c in cols]
         if not picks:
             return [None] * len(spans)
         selected = hidden.index_select(0, torch.tensor(picks, dtype=torch.long, device=hidden.device))
