@@ -142,10 +142,16 @@ def plot(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.classifier", description=__doc__)
     parser.add_argument("--repeat", type=int, default=20, help="passes over the ~200-word prompts")
-    parser.add_argument("--model", help="model directory (default: the shipped artifact)")
+    parser.add_argument(
+        "--model",
+        help="model directory (default: the complexity model, whose labels this benchmark scores; "
+        "the routing score is measured by benchmarks/routing_quality.py)",
+    )
     args = parser.parse_args(argv)
 
-    clf = ComplexityClassifier.load(args.model)
+    from classifier.inference import COMPLEXITY_DIR
+
+    clf = ComplexityClassifier.load(args.model or COMPLEXITY_DIR)
     rows = load_jsonl(HELDOUT_PATH)
     prompts = [r["prompt"] for r in rows]
     long = long_prompts(prompts)
