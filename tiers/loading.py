@@ -225,7 +225,7 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiers.quant import quantize_model, use_onednn_linears
+    from tiers.quant import quantize_model
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, quantization)
@@ -248,8 +248,9 @@ def load_model(
     if quantization != "none":
         quantize_model(hf_model, quantization, group_size=group_size, int4_head=int4_head)
         hf_model.to(torch_dtype)  # type: ignore[arg-type]
-    elif dev.type == "cpu" and torch_dtype == torch.float32:
-        use_onednn_linears(hf_model)
+    # fp32 stays on plain nn.Linear (MKL): on torch 2.13 it measured faster than the pre-packed
+    # oneDNN path (``quant.use_onednn_linears``) at every batch size a tier decodes - SmolLM2-135M
+    # fp32 step at batch 1: 42 -> 32 ms, equal at 4 and 16 (benchmarks/results/peer_llamacpp.json).
     if dev.type == "cpu":
         _own_memory(hf_model)
     if tokenizer.pad_token_id is None:

@@ -61,3 +61,16 @@ def test_dtype_auto_by_device_and_quantization() -> None:
 def test_cache_dir_is_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("TIERED_ROUTER_CACHE", str(tmp_path))
     assert loading.cache_dir() == tmp_path
+
+
+def test_fp32_cpu_tiers_keep_plain_linears(tiny_model_dir: Path) -> None:
+    # MKL's plain linear measured faster than pre-packed oneDNN at every decode batch (torch 2.13),
+    # and it is HF's own arithmetic: the fp32 tier's greedy output is HF's.
+    import torch
+
+    from tiers.quant import OneDnnLinear
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    mods = list(loaded.model.modules())
+    assert not any(isinstance(m, OneDnnLinear) for m in mods)
+    assert sum(isinstance(m, torch.nn.Linear) for m in mods) > 0
