@@ -101,6 +101,8 @@ class Engine:
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
         """Called before each step's forwards (tests inject faults and count steps here)."""
         self.num_steps = 0
+        self.num_deferred_draft_feeds = 0
+        """Prompts whose last chunk ran without the draft (its feed deferred to the first decode)."""
         self._step_ema = 0.0
         """Moving average of the time between this engine's steps while it has work (seconds)."""
         self._last_step_start = 0.0
@@ -363,10 +365,25 @@ class Engine:
         tokens for each speculating row, one draft forward per proposed position."""
         assert self.draft is not None
         out: list[_Draft | None] = [None] * batch.num_seqs
-        feeding = [i for i, n in enumerate(batch.num_draft_tokens) if n > 0]
+        seqs = batch.seqs
+        # A prompt's last chunk gives the first token from the target alone: the draft's feed of
+        # it is deferred, so TTFT never pays for the draft's prefill. The scheduler then catches
+        # the draft up in the row's first decode step, and it speculates from the next one.
+        feeding = [
+            i
+            for i, n in enumerate(batch.num_draft_tokens)
+            if n > 0
+            and not (
+                batch.num_spec_tokens[i] == 0
+                and batch.num_new_tokens[i] > 1
+                and seqs[i].num_computed_tokens + batch.num_new_tokens[i] == seqs[i].num_tokens
+            )
+        ]
+        self.num_deferred_draft_feeds += len(
+            [i for i, n in enumerate(batch.num_draft_tokens) if n > 0 and i not in feeding]
+        )
         if not feeding:
             return out
-        seqs = batch.seqs
         rows = []
         for i in feeding:
             seq, n = seqs[i], batch.num_draft_tokens[i]
@@ -494,7 +511,11 @@ class Engine:
                 advanced = self._matcher_advance.pop(seq.seq_id, 0)
                 if advanced > m:
                     matcher.rollback(advanced - m)
-                if not matcher.accept(new[-1]) and new[-1] not in self.eos_token_ids:
+                if m and matcher.is_terminated:
+                    # The accepted drafts completed the grammar: nothing may follow them (as when a
+                    # plain step's token completes it), so the target's bonus token is dropped.
+                    new.pop()
+                elif not matcher.accept(new[-1]) and new[-1] not in self.eos_token_ids:
                     self._fail(seq, "the grammar rejected a sampled token")
                     continue
             lps = None

@@ -253,3 +253,38 @@ async def test_a_draft_with_a_narrower_head_is_padded_and_lossless(
     want = await asyncio.gather(*(collect(plain, p, greedy(12)) for p in ps))
     assert [g[0] for g in got] == [w[0] for w in want]
     assert sum(g[3].num_draft_tokens for g in got) > 0
+
+
+async def test_draft_prefill_is_deferred_past_the_first_token(plain: Engine, spec: Engine) -> None:
+    # The step that gives a prompt its first token runs the target alone (TTFT never pays for the
+    # draft's prefill); the draft catches up in the first decode step and drafts after that.
+    assert spec.draft is not None
+    events: list[tuple[str, list[int]]] = []
+    real_forward = spec.draft.forward
+
+    def counting(rows: list) -> list:  # type: ignore[type-arg]
+        events.append(("draft", [len(r.token_ids) for r in rows]))
+        return real_forward(rows)
+
+    ps = prompts(3, seed=21)
+    want = [await collect(plain, p, greedy(16)) for p in ps]
+    spec.spec.fixed_k = 3
+    spec.draft.forward = counting  # type: ignore[method-assign]
+    spec.step_hook = lambda batch: events.append(("step", list(batch.num_new_tokens)))
+    deferred = spec.num_deferred_draft_feeds
+    try:
+        got = []
+        for p in ps:
+            events.clear()
+            got.append(await collect(spec, p, greedy(16)))
+            steps = [i for i, e in enumerate(events) if e[0] == "step"]
+            assert events[steps[0]][1] == [len(p)]  # the prompt in one chunk (tiny prompts, no prefix hit)
+            assert steps[1] == steps[0] + 1  # ...and no draft forward in that step
+            assert any(n == len(p) for n in events[steps[1] + 1][1])  # the draft's prefill: in the next
+    finally:
+        spec.draft.forward = real_forward  # type: ignore[method-assign]
+        spec.step_hook = None
+        spec.spec.fixed_k = None
+    assert spec.num_deferred_draft_feeds >= deferred + 3
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(g[3].num_draft_tokens > 0 and g[3].num_accepted_tokens > 0 for g in got)
