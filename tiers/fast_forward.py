@@ -97,7 +97,7 @@ class FastDecoder:
     def _project(mod: Any, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         if isinstance(mod, list):
             return [m(x) for m in mod]
-        return list(mod(x).split(sizes, dim=-1))
+        return list(mod.forward(x).split(sizes, dim=-1))  # no hooks on these: skip Module.__call__
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,14 +135,20 @@ class FastDecoder:
             self.layers
         ):
             x = self._rms_norm(h, w_in, eps_in)
-            q_x, k_x, v_x = self._project(qkv, x, qkv_sizes)  # one fused projection
-            q = self._rotate(q_x.reshape(n, heads, dim), cos, sin)
-            k = self._rotate(k_x.reshape(n, kv_heads, dim), cos, sin)
+            if isinstance(qkv, list):
+                q_x, k_x, v_x = self._project(qkv, x, qkv_sizes)
+                qk_x = torch.cat((q_x, k_x), dim=-1)
+            else:  # one fused projection; q and k side by side, so RoPE runs once for both
+                y = qkv.forward(x)
+                qk_x, v_x = y[:, : qkv_sizes[0] + qkv_sizes[1]], y[:, qkv_sizes[0] + qkv_sizes[1] :]
+            # Elementwise, so rotating q and k together is bitwise the same as one by one.
+            qk = self._rotate(qk_x.reshape(n, heads + kv_heads, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             v = v_x.reshape(n, kv_heads, dim)
             pool = kv_pool[i]  # [blocks, block_size, 2, kv_heads, dim]
             # One write per layer: K and V of every new token at its slot.
             pool.view(-1, 2, kv_heads, dim).index_copy_(0, slots, torch.stack((k, v), dim=1).to(pool.dtype))
-            out = torch.empty_like(q)  # [N, heads, dim]
+            out = torch.empty((n, heads, dim), dtype=q.dtype, device=q.device)
             for g in groups:
                 rows, t = g.num_rows, g.q_len
                 kv = pool.index_select(0, g.block_idx).view(rows, g.kv_len, 2, kv_heads, dim)
@@ -162,8 +168,8 @@ class FastDecoder:
                     .permute(0, 3, 1, 2, 4)
                     .reshape(rows * t, heads, dim)
                 )
-            h = h + o_p(out.view(n, heads * dim))
+            h = h + o_p.forward(out.view(n, heads * dim))
             x = self._rms_norm(h, w_post, eps_post)
             gate, up = self._project(gate_up, x, gu_sizes)
-            h = h + down(F.silu(gate) * up)
+            h = h + down.forward(F.silu(gate) * up)
         return self._rms_norm(h, self.norm_weight, self.norm_eps)
