@@ -13,8 +13,10 @@ instead of waiting past any realistic client timeout.
 
 Priorities: a tenant's ``priority`` scales its budget (``low`` x0.5: shed first; ``high`` x2).
 
-Fairness: ``FairShare`` keeps, per tier, each caller's admitted requests (tenant, or key for keys
-without one). While several callers have used a tier recently, none may hold more than an equal
+Fairness, in two layers. In the engine, batch slots are shared between callers (the scheduler's
+fair queuing and fairness preemption, ``tiers/scheduler.py``), and the predicted wait is the
+caller's own: a light caller is admitted while a flood is refused. Here, ``FairShare`` keeps, per
+tier, each caller's admitted requests (tenant, or key for keys without one). While several callers have used a tier recently, none may hold more than an equal
 share of the tier's ``max_num_seqs + max_queue``; a caller at its share finds the tier full (the
 fallback applies, else 429), so one tenant flooding a tier cannot starve the others. A caller
 alone on a tier may use all of it.
@@ -191,10 +193,10 @@ def tier_pressures(
         allowed = cfg.max_queue_wait_s * factor
         budget = allowed if deadline_s is None else min(allowed, deadline_s)
         wait = float(getattr(load, "predicted_wait_s", 0.0) or 0.0)
-        if hasattr(backend, "engine") and fair is not None:
-            # The engine queues a caller behind those with no more requests in flight than its
-            # own, so its wait counts only them: a light caller is not refused for a heavy one's queue.
-            wait = backend.engine.predicted_wait(fair.held(name, caller))
+        if hasattr(backend, "engine"):
+            # The engine shares batch slots between callers, so the wait is this caller's: a
+            # light caller is not refused for a heavy one's queue.
+            wait = backend.engine.predicted_wait(caller or "")
         out[name] = TierPressure(
             full=bool(load.is_full),
             wait_s=wait,

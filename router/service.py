@@ -574,14 +574,14 @@ class RouterService:
         # The tenant names the prefix-cache partition: one tenant's prompts never warm (or time)
         # another's cached KV.
         salt = (gen.ctx.tenant or "") if gen.ctx is not None else ""
-        # Fair queuing between callers: a request waits behind those of callers with no more
-        # requests in flight on this tier than its own caller (a flood cannot starve a trickle).
-        priority = self.fair.held(backend.name, gen.ctx.principal) if gen.ctx is not None else 0
+        # Fair sharing of batch slots between callers (tiers/scheduler.py): a flood cannot starve
+        # a trickle, and each caller's requests keep their order.
+        caller = (gen.ctx.principal or "") if gen.ctx is not None else ""
         try:
             if len(params) == 1:
-                handles = [backend.engine.submit(ids, params[0], cache_salt=salt, priority=priority)]
+                handles = [backend.engine.submit(ids, params[0], cache_salt=salt, caller=caller)]
             else:
-                handles = backend.engine.submit_n(ids, params, cache_salt=salt, priority=priority)
+                handles = backend.engine.submit_n(ids, params, cache_salt=salt, caller=caller)
         except EngineFullError as exc:
             raise OverloadedError(
                 f"Tier '{backend.name}' is at capacity; retry shortly.", retry_after=RETRY_AFTER_S

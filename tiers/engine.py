@@ -105,6 +105,8 @@ class Engine:
         """Prompts whose last chunk ran without the draft (its feed deferred to the first decode)."""
         self._step_ema = 0.0
         """Moving average of the time between this engine's steps while it has work (seconds)."""
+        self._loaded_step_ema = 0.0
+        """The same, over steps taken with the batch at least half full (the pace a queue drains at)."""
         self._last_step_start = 0.0
         self._steps_per_seq_ema = 32.0
 
@@ -141,33 +143,43 @@ class Engine:
             predicted_wait_s=self._predicted_wait(sched.num_running, waiting),
         )
 
-    def predicted_wait(self, priority: int) -> float:
-        """``load().predicted_wait_s`` for a request queued at ``priority``: only waiting
-        sequences that would stay ahead of it count (see ``Scheduler.add``)."""
-        ahead = sum(1 for s in list(self.scheduler.waiting) if s.priority <= priority)
-        return self._predicted_wait(self.scheduler.num_running, ahead + self._inbox.qsize())
+    def predicted_wait(self, caller: str = "") -> float:
+        """Seconds until a request from ``caller`` submitted now gets its first token, with the
+        scheduler's fair sharing of batch slots (``Scheduler``): a caller below its share gets a
+        slot at once (free, or taken from a caller over its share), so it waits only for its
+        prefill; otherwise it waits for slots behind everything queued."""
+        running, waiting = self.scheduler.caller_counts()
+        share = self.scheduler.fair_share(len(running.keys() | waiting.keys() | {caller}))
+        inbox = self._inbox.qsize()
+        if running[caller] + waiting[caller] + inbox < share:
+            return self._predicted_wait(0, inbox)
+        return self._predicted_wait(sum(running.values()), sum(waiting.values()) + inbox)
 
     def _predicted_wait(self, running: int, waiting: int) -> float:
         """Seconds until a request submitted now gets its first token, from measured step times:
         requests beyond the free batch slots wait for running ones to finish (a sequence lives
         about ``steps_per_seq`` steps, and ``max_num_seqs`` finish per lifetime); then its prefill
-        takes a step or a few."""
+        takes a step or a few. A request that must queue is timed at the pace of a loaded step
+        (``_loaded_step_ema``): right after a quiet spell the latest steps are light ones, and
+        predicting a burst's wait from them admits far more than can be answered in time."""
         step = self._step_ema
         if step <= 0.0:
             return 0.0
         ahead = max(0, waiting + running + 1 - self.config.max_num_seqs)
+        if ahead:
+            step = max(step, self._loaded_step_ema)
         slot_wait = ahead / self.config.max_num_seqs * self._steps_per_seq_ema * step
         return slot_wait + 2 * step
 
     # -- intake (any thread) --------------------------------------------------------------------
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str = "", priority: int = 0
+        self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str = "", caller: str = ""
     ) -> RequestHandle:
         """Queue a request; raises ``EngineFullError`` when the waiting queue is full and
         ``ValueError`` when the prompt cannot fit the context. ``cache_salt`` names the
-        prefix-cache partition (the tenant): KV is shared only within one. ``priority``: queue
-        order, lower first (see ``Sequence.priority``)."""
-        return self.submit_n(prompt_token_ids, [params], cache_salt=cache_salt, priority=priority)[0]
+        prefix-cache partition (the tenant): KV is shared only within one. ``caller``: who asked,
+        for fair sharing of batch slots (``Sequence.caller``)."""
+        return self.submit_n(prompt_token_ids, [params], cache_salt=cache_salt, caller=caller)[0]
 
     def submit_n(
         self,
@@ -175,7 +187,7 @@ class Engine:
         params: list[SamplingParams],
         *,
         cache_salt: str = "",
-        priority: int = 0,
+        caller: str = "",
     ) -> list[RequestHandle]:
         """``n > 1``: one sequence per entry of ``params`` over the same prompt (each its own seed
         and constraint); the later ones fork the first one's prompt blocks once it has computed
@@ -199,7 +211,7 @@ class Engine:
                 p,
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
-                priority=priority,
+                caller=caller,
             )
             seq.fork_of = leader
             leader = leader or seq
@@ -268,6 +280,9 @@ class Engine:
         # Only while busy: after an idle spell the gap measures idleness, not the device's pace.
         self._last_step_start = started if self.scheduler.has_work() else 0.0
         self._step_ema = period if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * period
+        if batch is not None and 2 * batch.num_seqs >= self.config.max_num_seqs:
+            loaded = self._loaded_step_ema
+            self._loaded_step_ema = period if loaded == 0.0 else 0.9 * loaded + 0.1 * period
         self.num_steps += 1
         if self.observer is not None and batch is not None:
             self.observer.on_step(self.name, batch.kind, batch.num_seqs, elapsed)

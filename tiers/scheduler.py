@@ -14,6 +14,12 @@ get blocks for its next tokens, the newest running sequence not yet in the step 
 recompute: its blocks are freed and it goes back to the front of the queue, keeping its
 generated tokens. A sequence that fits the pool alone is therefore never failed.
 
+Fairness between callers (``Sequence.caller``: tenant or key): batch slots go first to the caller
+with the fewest running sequences, each caller's own requests in arrival order, and when the batch
+is full a caller below its share (``max_num_seqs`` / busy callers) preempts the newest sequence of
+the caller furthest over it. One caller's flood therefore never holds a lighter caller's request
+longer than a step or two, and the flood's own queue keeps its order (its waits stay predictable).
+
 Draft-side KV (speculative tiers) follows the target: a sequence's draft table is grown for the
 chunk the draft will feed this step, and a sequence whose draft cannot get blocks simply does not
 speculate (drafting is an optimisation; it never preempts anything).
@@ -21,7 +27,7 @@ speculate (drafting is an optimisation; it never preempts anything).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +76,8 @@ class ScheduledBatch:
     """Tokens of ``token_ids`` fed to the draft per sequence before drafting (catch-up)."""
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    preempted_for_blocks: bool = False
+    """A sequence was preempted because the pool ran short (not for fairness): admit no one."""
     kind: str = "decode"
     """For metrics: ``decode`` (every row one token behind), ``prefill`` (none is) or ``mixed``."""
 
@@ -103,16 +111,17 @@ class Scheduler:
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` behind every waiting sequence of the same or a lower priority value
-        (preempted sequences stay at the front: they already hold a turn)."""
-        pos = len(self.waiting)
-        while (
-            pos > 0
-            and self.waiting[pos - 1].priority > seq.priority
-            and not self.waiting[pos - 1].num_preemptions
-        ):
-            pos -= 1
-        self.waiting.insert(pos, seq)
+        """Queue ``seq`` at the back (preempted sequences go back to the front: they already hold
+        a turn). Which waiting sequence joins the batch next is decided per caller (``_next_waiting``)."""
+        self.waiting.append(seq)
+
+    def fair_share(self, num_callers: int) -> int:
+        """Batch slots each of ``num_callers`` busy callers is entitled to."""
+        return max(1, self.config.max_num_seqs // max(1, num_callers))
+
+    def caller_counts(self) -> tuple[Counter[str], Counter[str]]:
+        """Running and waiting sequences per caller (a snapshot; safe to take from another thread)."""
+        return Counter(s.caller for s in list(self.running)), Counter(s.caller for s in list(self.waiting))
 
     @property
     def num_running(self) -> int:
@@ -132,6 +141,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work; ``None`` when there is nothing to run."""
         batch = ScheduledBatch([], [], [], [])
+        self._preempt_for_fairness(batch)
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._schedule_waiting(batch, budget)
         if not batch.seqs:
@@ -164,6 +174,7 @@ class Scheduler:
                 # Preempt the newest sequence not already in this step (possibly seq itself).
                 victim = next(v for v in reversed(self.running) if v.seq_id not in scheduled)
                 self._preempt(victim, batch)
+                batch.preempted_for_blocks = True
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
@@ -174,29 +185,66 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        """Waiting sequences, FIFO, while there is room - none right after a preemption: the pool
-        is short, and a readmitted sequence would only be preempted again."""
+        """Waiting sequences while there is room, fairly between callers (``_next_waiting``) -
+        none right after a preemption for blocks: the pool is short, and a readmitted sequence
+        would only be preempted again."""
+        running = Counter(s.caller for s in self.running)
         while (
             self.waiting
             and budget > 0
-            and not batch.preempted
+            and not batch.preempted_for_blocks
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self._next_waiting(running)
             if seq.is_finished:  # aborted while waiting
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 continue
             if seq.fork_of is not None and not self._may_fork(seq):
                 break
             n = self._allocate_new(seq, budget, contended=len(self.waiting) > 1 or bool(batch.seqs))
             if not n:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            running[seq.caller] += 1
             batch.admitted.append(seq)
             self._add_row(batch, seq, n, 0, follow_draft=True)
             budget -= n
+
+    def _next_waiting(self, running: Counter[str]) -> Sequence:
+        """Fair queuing between callers: the waiting sequence of the caller with the fewest
+        running sequences goes next; within one caller, queue order (its preempted sequences,
+        then its arrivals). A caller's own requests therefore never overtake each other, so the
+        wait admission predicted for one is not stretched by the same caller's later arrivals."""
+        best = self.waiting[0]
+        for seq in self.waiting:
+            if running[seq.caller] < running[best.caller]:
+                best = seq
+        return best
+
+    def _preempt_for_fairness(self, batch: ScheduledBatch) -> None:
+        """A caller below its fair share of batch slots, waiting while the batch is full, takes a
+        slot from the caller furthest over its share: that caller's newest running sequence is
+        preempted by recompute (it has done the least work; its full blocks stay named in the
+        prefix cache, so the recompute is mostly cache hits). Without this a flooding caller keeps
+        every slot and a light caller waits for the flood's answers to finish (vLLM's priority
+        preemption, with the caller's share as the priority)."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        running = Counter(s.caller for s in self.running)
+        waiting = Counter(s.caller for s in self.waiting if not s.is_finished)
+        share = self.fair_share(len(running.keys() | waiting.keys()))
+        for caller in list(waiting):
+            while waiting[caller] and running[caller] < share:
+                victim_caller, held = running.most_common(1)[0]
+                if held <= share:
+                    return
+                victim = next(s for s in reversed(self.running) if s.caller == victim_caller)
+                self._preempt(victim, batch)
+                running[victim_caller] -= 1
+                running[caller] += 1  # the slot it frees is this caller's (``_next_waiting``)
+                waiting[caller] -= 1
 
     def _chunk(self, remaining: int, budget: int, contended: bool) -> int:
         """Tokens a sequence feeds this step. A long prompt may not hold the whole budget while

@@ -164,9 +164,9 @@ class Sequence:
     fork_of: Sequence | None = None
     """``n > 1``: the branch whose prompt blocks this one shares once they are computed."""
     num_preemptions: int = 0
-    priority: int = 0
-    """Queue order among waiting sequences: lower goes first, FIFO within a value (the service
-    passes the caller's requests already in flight on the tier: fair queuing between callers)."""
+    caller: str = ""
+    """Who asked (the tenant, or the API key): the scheduler shares batch slots fairly between
+    callers and keeps each caller's own requests in arrival order (``Scheduler``)."""
     finish_reason: str | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)

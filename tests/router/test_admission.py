@@ -27,7 +27,7 @@ def predicted(server: Server) -> Iterator[dict[str, float]]:
         def load(original: Any = original, name: str = name) -> Any:
             return dataclasses.replace(original(), predicted_wait_s=waits.get(name, 0.0))
 
-        def wait(priority: int, name: str = name) -> float:
+        def wait(caller: str, name: str = name) -> float:
             return waits.get(name, 0.0)
 
         engine.load = load
@@ -151,7 +151,7 @@ def test_priorities_scale_the_wait_budget(priority_server: Server) -> None:
     original = engine.load
     wait = {"s": 4.0}
     engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=wait["s"])  # default budget: 5 s
-    engine.predicted_wait = lambda priority: wait["s"]
+    engine.predicted_wait = lambda caller: wait["s"]
     try:
         assert ask(priority_server, x_tenant="batch").status_code == 429  # low: 2.5 s, shed first
         assert ask(priority_server, x_tenant="someone").status_code == 200  # normal: 5 s

@@ -420,3 +420,29 @@ async def test_prefix_cache_partitions_hit_within_and_never_across(
     assert await cached("tenant-a") > 0  # hit within the partition
     assert await cached("tenant-b") == 0  # never across
     assert await cached("") == 0
+
+
+async def test_a_light_caller_is_served_within_steps_of_a_flood_and_every_output_stays_exact(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """One caller fills every batch slot and the queue; a second caller's request still gets its
+    first token within a few steps (fairness preemption), is predicted to wait less than the flood,
+    and the preempted flood requests recompute to exactly their solo outputs."""
+    eng = make_engine(worker, tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=64, name="fair")
+    assert isinstance(eng, Engine)
+    ps = prompts(9, seed=31)
+    alone = [await collect(eng, p, greedy(40)) for p in ps]
+    flood = [eng.submit(p, greedy(40), caller="heavy") for p in ps[:8]]
+    flood_runs = [asyncio.ensure_future(_collect_handle(h)) for h in flood]
+    while eng.scheduler.num_running < 4 or not eng.scheduler.num_waiting:
+        await asyncio.sleep(0.001)
+    assert eng.predicted_wait("light") < eng.predicted_wait("heavy")
+    before, steps = eng.scheduler.num_preemptions, eng.num_steps
+    light = eng.submit(ps[8], greedy(40), caller="light")
+    it = light.__aiter__()
+    first = await anext(it)
+    assert eng.num_steps - steps <= 3, "the light request waited for the flood"
+    assert eng.scheduler.num_preemptions > before
+    rest = [o async for o in it]
+    assert first.token_ids + [t for o in rest for t in o.token_ids] == alone[8][0]
+    assert [(await r)[0] for r in flood_runs] == [a[0] for a in alone[:8]]

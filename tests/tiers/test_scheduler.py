@@ -214,14 +214,74 @@ def test_a_lone_long_prompt_uses_the_whole_budget() -> None:
     assert batch is not None and batch.num_new_tokens == [16]
 
 
-def test_waiting_sequences_are_ordered_by_priority_then_arrival() -> None:
+def test_a_callers_requests_keep_their_arrival_order() -> None:
+    # Catches queue reordering within one caller (the old per-request priority let a caller's later
+    # request overtake its earlier ones, so admitted requests waited far past their predicted wait).
     sched = make(max_num_seqs=1)
-    busy = seq(3)
-    sched.add(busy)
-    sched.schedule()
-    heavy = [seq(3, start=10 * i + 20, priority=5) for i in range(3)]
+    first = seq(3, caller="a")
+    sched.add(first)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    queued = [seq(3, start=10 * i + 20, caller="a") for i in range(4)]
+    for s in queued:
+        sched.add(s)
+    order = []
+    while len(order) < 4:
+        sched.finish(sched.running[0], SequenceStatus.FINISHED_STOPPED, "stop")
+        batch = sched.schedule()
+        assert batch is not None
+        order.extend(batch.admitted)
+        run(sched, batch)
+    assert order == queued
+
+
+def test_free_slots_go_to_the_caller_with_the_fewest_running() -> None:
+    sched = make(max_num_seqs=3)
+    heavy = [seq(3, start=10 * i + 1, caller="heavy") for i in range(4)]
+    for s in heavy[:2]:
+        sched.add(s)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    sched.add(heavy[2])
+    light = seq(3, start=90, caller="light")
+    sched.add(light)  # arrives after heavy[2], yet light has nothing running
+    batch = sched.schedule()
+    assert batch is not None and batch.admitted == [light]
+    assert list(sched.waiting) == [heavy[2]]
+
+
+def test_a_caller_below_its_share_preempts_the_newest_of_the_caller_over_it() -> None:
+    sched = make(max_num_seqs=4)
+    heavy = [seq(3, start=10 * i + 1, caller="heavy") for i in range(4)]
     for s in heavy:
         sched.add(s)
-    light = seq(3, start=90, priority=1)
-    sched.add(light)
-    assert list(sched.waiting) == [light, *heavy]
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    assert len(sched.running) == 4
+    lights = [seq(3, start=100 + 10 * i, caller="light") for i in range(3)]
+    for s in lights:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch is not None
+    # Share is 4 // 2 = 2: two of heavy's (its newest) give way, the third light request waits.
+    assert batch.preempted == [heavy[3], heavy[2]]
+    assert batch.admitted == lights[:2]
+    assert [s.caller for s in sched.running].count("light") == 2
+    assert heavy[3].status == SequenceStatus.WAITING and heavy[3].num_computed_tokens == 0
+    assert lights[2] in sched.waiting and sched.num_preemptions == 2
+
+
+def test_no_fairness_preemption_for_one_caller_or_a_caller_at_its_share() -> None:
+    sched = make(max_num_seqs=2)
+    a = [seq(3, start=10 * i + 1, caller="a") for i in range(3)]
+    for s in a:
+        sched.add(s)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    batch = sched.schedule()  # a's own third request waits for a free slot
+    assert batch is not None and not batch.preempted and a[2] in sched.waiting
+    b1 = seq(3, start=60, caller="b")
+    sched.add(b1)
+    batch = sched.schedule()  # share is 1: b takes one of a's two slots
+    assert batch is not None and batch.preempted == [a[1]] and batch.admitted == [b1]
+    run(sched, batch)
+    b2 = seq(3, start=70, caller="b")
+    sched.add(b2)
+    batch = sched.schedule()  # b holds its share now: no more preemption
+    assert batch is not None and not batch.preempted and b2 in sched.waiting
