@@ -16,10 +16,11 @@ Priorities: a tenant's ``priority`` scales its budget (``low`` x0.5: shed first;
 Fairness, in two layers. In the engine, batch slots are shared between callers (the scheduler's
 fair queuing and fairness preemption, ``tiers/scheduler.py``), and the predicted wait is the
 caller's own: a light caller is admitted while a flood is refused. Here, ``FairShare`` keeps, per
-tier, each caller's admitted requests (tenant, or key for keys without one). While several callers have used a tier recently, none may hold more than an equal
-share of the tier's ``max_num_seqs + max_queue``; a caller at its share finds the tier full (the
-fallback applies, else 429), so one tenant flooding a tier cannot starve the others. A caller
-alone on a tier may use all of it.
+tier, each caller's admitted requests (tenant, or key for keys without one). While several
+callers have used a tier recently, none may hold more than an equal share of the tier's
+``max_num_seqs + max_queue``; a caller at its share finds the tier full (the fallback applies,
+else 429), so one tenant flooding a tier cannot starve the others. A caller alone on a tier may
+use all of it.
 """
 
 from __future__ import annotations
@@ -88,10 +89,6 @@ class FairShare:
         """``caller`` wants ``tier`` (admitted or refused): it counts in the tier's share split."""
         if caller is not None:
             self._seen[tier][caller] = time.monotonic()
-
-    def held(self, tier: str, caller: str | None) -> int:
-        """Requests ``caller`` has in flight on ``tier`` now (the engine queues fewer first)."""
-        return 0 if caller is None else self._held[tier][caller]
 
     def over_share(self, tier: str, caller: str | None, capacity: int) -> bool:
         """True when ``caller`` holds its share of ``tier`` already."""

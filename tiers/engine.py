@@ -384,19 +384,17 @@ class Engine:
         # A prompt's last chunk gives the first token from the target alone: the draft's feed of
         # it is deferred, so TTFT never pays for the draft's prefill. The scheduler then catches
         # the draft up in the row's first decode step, and it speculates from the next one.
+        wants = [i for i, n in enumerate(batch.num_draft_tokens) if n > 0]
         feeding = [
             i
-            for i, n in enumerate(batch.num_draft_tokens)
-            if n > 0
-            and not (
+            for i in wants
+            if not (
                 batch.num_spec_tokens[i] == 0
                 and batch.num_new_tokens[i] > 1
                 and seqs[i].num_computed_tokens + batch.num_new_tokens[i] == seqs[i].num_tokens
             )
         ]
-        self.num_deferred_draft_feeds += len(
-            [i for i, n in enumerate(batch.num_draft_tokens) if n > 0 and i not in feeding]
-        )
+        self.num_deferred_draft_feeds += len(wants) - len(feeding)
         if not feeding:
             return out
         rows = []

@@ -22,6 +22,14 @@ def run(sched: Scheduler, batch: ScheduledBatch, sampled: int = 7) -> None:
         sched.cache_blocks(s)
 
 
+def queue(sched: Scheduler, caller: str, n: int, start: int = 1) -> list[Sequence]:
+    """``n`` three-token requests from ``caller``, added in order."""
+    seqs = [seq(3, start=start + 10 * i, caller=caller) for i in range(n)]
+    for s in seqs:
+        sched.add(s)
+    return seqs
+
+
 def make(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size))
 
@@ -221,9 +229,7 @@ def test_a_callers_requests_keep_their_arrival_order() -> None:
     first = seq(3, caller="a")
     sched.add(first)
     run(sched, sched.schedule())  # type: ignore[arg-type]
-    queued = [seq(3, start=10 * i + 20, caller="a") for i in range(4)]
-    for s in queued:
-        sched.add(s)
+    queued = queue(sched, "a", 4, start=20)
     order = []
     while len(order) < 4:
         sched.finish(sched.running[0], SequenceStatus.FINISHED_STOPPED, "stop")
@@ -250,14 +256,10 @@ def test_free_slots_go_to_the_caller_with_the_fewest_running() -> None:
 
 def test_a_caller_below_its_share_preempts_the_newest_of_the_caller_over_it() -> None:
     sched = make(max_num_seqs=4)
-    heavy = [seq(3, start=10 * i + 1, caller="heavy") for i in range(4)]
-    for s in heavy:
-        sched.add(s)
+    heavy = queue(sched, "heavy", 4)
     run(sched, sched.schedule())  # type: ignore[arg-type]
     assert len(sched.running) == 4
-    lights = [seq(3, start=100 + 10 * i, caller="light") for i in range(3)]
-    for s in lights:
-        sched.add(s)
+    lights = queue(sched, "light", 3, start=100)
     batch = sched.schedule()
     assert batch is not None
     # Share is 4 // 2 = 2: two of heavy's (its newest) give way, the third light request waits.
@@ -270,9 +272,7 @@ def test_a_caller_below_its_share_preempts_the_newest_of_the_caller_over_it() ->
 
 def test_no_fairness_preemption_for_one_caller_or_a_caller_at_its_share() -> None:
     sched = make(max_num_seqs=2)
-    a = [seq(3, start=10 * i + 1, caller="a") for i in range(3)]
-    for s in a:
-        sched.add(s)
+    a = queue(sched, "a", 3)
     run(sched, sched.schedule())  # type: ignore[arg-type]
     batch = sched.schedule()  # a's own third request waits for a free slot
     assert batch is not None and not batch.preempted and a[2] in sched.waiting
