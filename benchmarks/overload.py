@@ -3,7 +3,10 @@
 Capacity is the policy's batch size summed over tiers (``max_num_seqs``: 48 for the default).
 Closed-loop streaming clients on loopback (the classifier's held-out prompts, routed with
 ``model: auto``, 48 tokens, a 90 s client timeout like an SDK's) run for ``--seconds`` at 1x, then
-4x. A rejected client honours ``Retry-After`` (capped at 2 s) and tries again, as SDKs do.
+4x. A rejected client honours ``retry-after-ms``, else ``Retry-After`` (capped at 2 s), and tries
+again, as OpenAI's SDKs do. The clients speak HTTP through ``benchmarks.rawhttp`` (one keep-alive
+connection each), cheap enough not to starve the server they share two cores with; each refusal's
+latency is recorded as the client saw it and as the server's ``Server-Timing`` says.
 
 Per phase: goodput (tokens of complete 200 answers per second), TTFT p50/p99 of accepted requests,
 rejection latency p99 and whether each carried Retry-After, status counts, and a timeline (offered
@@ -25,6 +28,7 @@ import random
 import re
 import tempfile
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,10 +37,15 @@ import httpx
 import yaml
 
 from benchmarks.common import percentile, plot_path, serve, write_json
+from benchmarks.rawhttp import Connection
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 48
 CLIENT_TIMEOUT_S = 90.0
+RAMP_S = 1.0
+"""Clients join over the first second, as load tools ramp them (locust's spawn rate, k6's
+stages), not all in the same millisecond; the refusals of a same-millisecond storm of 192
+connections queue behind each other for ~100 ms on two cores."""
 
 
 def prompts() -> list[str]:
@@ -57,16 +66,24 @@ def bench_policy() -> tuple[Path, dict[str, Any]]:
     return out, data
 
 
+def _server_ms(headers: dict[str, str]) -> float | None:
+    match = re.search(r"dur=([0-9.]+)", headers.get("server-timing", ""))
+    return float(match.group(1)) if match else None
+
+
 async def client_loop(
-    client: httpx.AsyncClient,
-    url: str,
+    host: str,
+    port: int,
     texts: list[str],
     stop_at: float,
     log: list[dict[str, Any]],
     tenant: str,
     seed: int,
+    start_after: float = 0.0,
 ) -> None:
     rng = random.Random(seed)
+    conn = Connection(host, port)
+    await asyncio.sleep(start_after)
     while time.monotonic() < stop_at:
         body = {
             "model": "auto",
@@ -78,22 +95,26 @@ async def client_loop(
         rec: dict[str, Any] = {"t": time.monotonic(), "tenant": tenant, "status": None, "tokens": 0}
         log.append(rec)
         try:
-            async with client.stream(
-                "POST",
-                url + "/v1/chat/completions",
-                json=body,
-                headers={"x-tenant": tenant, "Cache-Control": "no-cache"},
-            ) as r:
-                rec["status"] = r.status_code
-                if r.status_code != 200:
-                    await r.aread()
+            async with asyncio.timeout(CLIENT_TIMEOUT_S):
+                r = await conn.post(
+                    "/v1/chat/completions", body, {"x-tenant": tenant, "cache-control": "no-cache"}
+                )
+                rec["status"] = r.status
+                if r.status != 200:
+                    try:
+                        rec["code"] = json.loads(await r.read())["error"]["code"]
+                    except (ValueError, KeyError, TypeError):
+                        rec["code"] = None
                     rec["latency"] = time.monotonic() - rec["t"]
+                    rec["server_ms"] = _server_ms(r.headers)
                     rec["retry_after"] = r.headers.get("retry-after")
-                    wait = float(rec["retry_after"] or 1.0)
+                    # As OpenAI's SDKs do: retry-after-ms first, then Retry-After.
+                    ms = r.headers.get("retry-after-ms")
+                    wait = float(ms) / 1000 if ms else float(rec["retry_after"] or 1.0)
                     await asyncio.sleep(min(2.0, max(0.05, wait)))
                     continue
                 finished = False
-                async for line in r.aiter_lines():
+                async for line in r.lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
@@ -105,26 +126,35 @@ async def client_loop(
                             finished = True
                 rec["complete"] = finished
                 rec["end"] = time.monotonic()
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            conn.close()
             rec["status"] = f"client:{type(exc).__name__}"
             rec["end"] = time.monotonic()
+    conn.close()
 
 
 async def phase(
     url: str, texts: list[str], clients: dict[str, int], seconds: float
 ) -> tuple[list[dict[str, Any]], float]:
     log: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    timeout = httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0)
+    host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
     started = time.monotonic()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        stop_at = started + seconds
-        tasks = [
-            client_loop(client, url, texts, stop_at, log, tenant, seed=hash((tenant, i)) & 0xFFFF)
-            for tenant, n in clients.items()
-            for i in range(n)
-        ]
-        await asyncio.gather(*tasks)
+    stop_at = started + seconds
+    total = sum(clients.values())
+    tasks = [
+        client_loop(
+            host,
+            int(port),
+            texts,
+            stop_at,
+            log,
+            tenant,
+            seed=zlib.crc32(f"{tenant}:{i}".encode()),
+            start_after=RAMP_S * j / total,
+        )
+        for j, (tenant, i) in enumerate((t, i) for t, n in clients.items() for i in range(n))
+    ]
+    await asyncio.gather(*tasks)
     return log, started
 
 
@@ -134,6 +164,7 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
     elapsed = max((r.get("end", r["t"]) for r in log), default=started) - started
     ttft = [r["ttft"] for r in ok if "ttft" in r]
     rej_lat = [r["latency"] for r in rejected if "latency" in r]
+    rej_server = [r["server_ms"] for r in rejected if r.get("server_ms") is not None]
     timeline = []
     for w in range(0, int(elapsed) + 5, 5):
         lo, hi = started + w, started + w + 5
@@ -154,11 +185,13 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
         "requests": len(log),
         "answered": len(ok),
         "statuses": dict(Counter(str(r["status"]) for r in log)),
+        "rejection_codes": dict(Counter(str(r.get("code")) for r in rejected)),
         "incomplete_200": sum(1 for r in log if r["status"] == 200 and not r.get("complete")),
         "goodput_tok_s": round(sum(r["tokens"] for r in ok) / max(elapsed, 1e-9), 2),
         "ttft_p50_s": round(percentile(ttft, 0.5), 3) if ttft else None,
         "ttft_p99_s": round(percentile(ttft, 0.99), 3) if ttft else None,
         "rejection_p99_ms": round(percentile(rej_lat, 0.99) * 1000, 1) if rej_lat else None,
+        "rejection_server_p99_ms": round(percentile(rej_server, 0.99), 1) if rej_server else None,
         "rejections_without_retry_after": sum(1 for r in rejected if not r.get("retry_after")),
         "non_503_5xx": sum(1 for r in rejected if r["status"] >= 500 and r["status"] != 503),
         "timeline": timeline,
@@ -201,6 +234,13 @@ def run(*, seconds: float, port: int) -> None:
             t: {
                 "clients": n,
                 "requests": len(by[t]),
+                "rejection_codes": dict(
+                    Counter(
+                        str(r.get("code"))
+                        for r in by[t]
+                        if isinstance(r["status"], int) and r["status"] != 200
+                    )
+                ),
                 "success_rate": round(
                     sum(1 for r in by[t] if r["status"] == 200 and r.get("complete")) / max(1, len(by[t])), 3
                 ),

@@ -2,8 +2,9 @@
 within its deadline; otherwise the policy's fallback applies, else it is refused at once.
 
 Each tier reports how long a request submitted now would wait for its first token
-(``EngineLoad.predicted_wait_s``: the engine's estimate from its queue, batch and measured step
-times; 0 for remote tiers, which queue on their side). The request's wait budget on a tier is the
+(``Engine.predicted_wait``: the prompt work queued ahead of this request and its own prompt, at
+the measured cost of a token, plus a slot's wait when it must queue, ``tiers/pacing.py``; 0 for
+remote tiers, which queue on their side). The request's wait budget on a tier is the
 tier's ``max_queue_wait_s``, lowered by the client's own deadline (``x-request-timeout``, seconds,
 capped at ``service.max_request_timeout_s``). A tier refuses when its queue is full, its circuit is
 open (remote) or its predicted wait exceeds the budget; ``decide()`` treats a refusing tier as
@@ -179,6 +180,7 @@ def tier_pressures(
     fair: FairShare | None = None,
     caller: str | None = None,
     tenant: str | None = None,
+    prompt_tokens: int = 0,
 ) -> dict[str, TierPressure]:
     out: dict[str, TierPressure] = {}
     factor = priority_factor(policy, tenant)
@@ -186,14 +188,14 @@ def tier_pressures(
         cfg = policy.tiers.get(name)
         if cfg is None:
             continue
-        load = backend.engine.load() if hasattr(backend, "engine") else backend.client.load()
+        load = backend.engine.load(predicted=False) if hasattr(backend, "engine") else backend.client.load()
         allowed = cfg.max_queue_wait_s * factor
         budget = allowed if deadline_s is None else min(allowed, deadline_s)
         wait = float(getattr(load, "predicted_wait_s", 0.0) or 0.0)
         if hasattr(backend, "engine"):
-            # The engine shares batch slots between callers, so the wait is this caller's: a
-            # light caller is not refused for a heavy one's queue.
-            wait = backend.engine.predicted_wait(caller or "")
+            # The engine shares batch slots between callers, so the wait is this caller's (a light
+            # caller is not refused for a heavy one's queue), and its prompt's own prefill counts.
+            wait = backend.engine.predicted_wait(caller or "", prompt_tokens)
         out[name] = TierPressure(
             full=bool(load.is_full),
             wait_s=wait,
@@ -218,6 +220,7 @@ def rejection(d: Decision, pressures: Mapping[str, TierPressure]) -> RouterError
             f"Tier '{d.tier}' is busy and this caller already holds its fair share of it; retry shortly.",
             code="fair_share_exceeded",
             retry_after=max(1.0, math.ceil(p.wait_s)),
+            spread_retries=True,
         )
     if p is not None and not p.full and p.wait_s > p.budget_s:
         # Retry when the queue ahead should have drained to within the budget.
@@ -226,9 +229,11 @@ def rejection(d: Decision, pressures: Mapping[str, TierPressure]) -> RouterError
             f"{p.budget_s:.1f}s allowed, and no fallback tier is free; retry later.",
             code="predicted_wait_exceeded",
             retry_after=max(1.0, math.ceil(p.wait_s - p.budget_s)),
+            spread_retries=True,
         )
     wait = p.wait_s if p is not None else 0.0
     return OverloadedError(
         f"Tier '{d.tier}' is at capacity and no fallback tier is free; retry shortly.",
         retry_after=max(1.0, math.ceil(wait)),
+        spread_retries=True,
     )

@@ -6,6 +6,8 @@ Every error a client can see carries ``status_code``, OpenAI's ``type``, the off
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 __all__ = [
@@ -34,12 +36,36 @@ class RouterError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        spread_retries: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
         self.retry_after = retry_after
+        self.spread_retries = spread_retries
+        """Spread the clients' retries (``headers``): for refusals of this service's own load,
+        never for an upstream's Retry-After passed through."""
+
+    def headers(self) -> dict[str, str]:
+        """Response headers the error carries: ``Retry-After`` (whole seconds) and, as OpenAI's
+        own API does, ``retry-after-ms``, which its SDKs read first. With ``spread_retries`` the
+        milliseconds are spread over up to half again the wait, so the clients refused in one
+        burst do not all come back in the same instant (measured: 150 clients retrying in
+        lockstep queued their refusals behind each other for 250 ms at p99,
+        benchmarks/overload.py); Retry-After rounds that up."""
+        out: dict[str, str] = {}
+        if self.retry_after is not None:
+            ms = max(1.0, self.retry_after) * 1000
+            if self.spread_retries:
+                ms *= random.uniform(1.0, 1.5)
+                out["retry-after"] = str(math.ceil(ms / 1000))
+            else:
+                out["retry-after"] = str(max(1, round(self.retry_after)))
+            out["retry-after-ms"] = str(round(ms))
+        if self.status_code == 401:
+            out["www-authenticate"] = "Bearer"
+        return out
 
     def to_body(self) -> dict[str, dict[str, str | None]]:
         return {

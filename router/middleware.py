@@ -207,12 +207,7 @@ def _with_server_timing(send: Any) -> Any:
 
 
 async def send_error(send: Any, err: RouterError) -> None:
-    headers = {}
-    if err.retry_after is not None:
-        headers["retry-after"] = str(max(1, round(err.retry_after)))
-    if err.status_code == 401:
-        headers["www-authenticate"] = "Bearer"
-    await send_json(send, err.status_code, err.to_body(), headers)
+    await send_json(send, err.status_code, err.to_body(), err.headers())
 
 
 async def send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:

@@ -277,12 +277,7 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     else:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         err = RouterError("Internal server error.")
-    headers = {}
-    if err.retry_after is not None:
-        headers["retry-after"] = str(max(1, round(err.retry_after)))
-    if err.status_code == 401:
-        headers["www-authenticate"] = "Bearer"
-    return Response(content=err.to_body(), status_code=err.status_code, headers=headers)
+    return Response(content=err.to_body(), status_code=err.status_code, headers=err.headers())
 
 
 ROUTES = [

@@ -167,7 +167,9 @@ class RouterService:
             # wait exceeds this request's budget counts as full, so the fallback applies.
             deadline = client_deadline_s(ctx.headers, policy)
             pressures = (
-                tier_pressures(self.tiers, policy, deadline, self.fair, ctx.principal, ctx.tenant)
+                tier_pressures(
+                    self.tiers, policy, deadline, self.fair, ctx.principal, ctx.tenant, prompt_tokens
+                )
                 if self.tiers is not None
                 else {}
             )

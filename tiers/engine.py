@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch
 
 from tiers.model_runner import ModelRunner, RowInput
 from tiers.output import IncrementalDetokenizer, StepOutput, TokenLogprob
+from tiers.pacing import Backlog, Pace, predict_wait
 from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle
 from tiers.sampling import Draft as _Draft
 from tiers.sampling import choose_tokens, propose_tokens, target_logits, token_logprob
@@ -41,6 +43,9 @@ __all__ = ["Engine", "EngineFullError", "EngineLoad", "EngineObserver", "Request
 
 log = logging.getLogger(__name__)
 
+BACKLOG_REUSE_S = 0.01
+"""How long one engine's backlog snapshot serves the other engines' wait estimates."""
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -50,6 +55,9 @@ class _Tracked:
     generator: torch.Generator | None
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    predicted_wait: tuple[float, bool] | None = None
+    """The uncalibrated wait predicted at submission and whether it queued for a slot (the
+    first of ``n`` only)."""
 
 
 class Engine:
@@ -103,12 +111,12 @@ class Engine:
         self.num_steps = 0
         self.num_deferred_draft_feeds = 0
         """Prompts whose last chunk ran without the draft (its feed deferred to the first decode)."""
-        self._step_ema = 0.0
-        """Moving average of the time between this engine's steps while it has work (seconds)."""
-        self._loaded_step_ema = 0.0
-        """The same, over steps taken with the batch at least half full (the pace a queue drains at)."""
-        self._last_step_start = 0.0
-        self._steps_per_seq_ema = 32.0
+        self.pace = Pace(config.max_num_seqs, config.max_num_batched_tokens)
+        """Measured step costs, for the predicted wait (``tiers/pacing.py``)."""
+        self._inbox_lock = threading.Lock()
+        self._inbox_tokens = 0
+        """Prompt tokens of requests submitted but not yet handed to the scheduler."""
+        self._backlog_cache: tuple[float, Backlog] | None = None
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -130,7 +138,9 @@ class Engine:
     def is_alive(self) -> bool:
         return self._worker is not None and self._worker.is_alive
 
-    def load(self) -> EngineLoad:
+    def load(self, *, predicted: bool = True) -> EngineLoad:
+        """Queue and batch now; ``predicted=False`` skips the wait estimate (admission asks for
+        the caller's own, ``predicted_wait``)."""
         sched = self.scheduler
         waiting = sched.num_waiting + self._inbox.qsize()
         return EngineLoad(
@@ -140,36 +150,42 @@ class Engine:
             max_waiting=self.config.max_waiting,
             kv_tokens=sched.num_kv_tokens(),
             kv_capacity=self.runner.capacity_tokens,
-            predicted_wait_s=self._predicted_wait(sched.num_running, waiting),
+            predicted_wait_s=self.predicted_wait(None) if predicted else 0.0,
         )
 
-    def predicted_wait(self, caller: str = "") -> float:
-        """Seconds until a request from ``caller`` submitted now gets its first token, with the
-        scheduler's fair sharing of batch slots (``Scheduler``): a caller below its share gets a
-        slot at once (free, or taken from a caller over its share), so it waits only for its
-        prefill; otherwise it waits for slots behind everything queued."""
-        running, waiting = self.scheduler.caller_counts()
-        share = self.scheduler.fair_share(len(running.keys() | waiting.keys() | {caller}))
-        inbox = self._inbox.qsize()
-        if running[caller] + waiting[caller] + inbox < share:
-            return self._predicted_wait(0, inbox)
-        return self._predicted_wait(sum(running.values()), sum(waiting.values()) + inbox)
+    def predicted_wait(self, caller: str | None = "", prompt_tokens: int = 0) -> float:
+        """Seconds until a request from ``caller`` of ``prompt_tokens`` submitted now gets its
+        first token: the prompt work queued ahead of it (the scheduler's fair sharing decides what
+        is ahead, ``Scheduler.backlog``), the other tiers' steps on the same device thread, and a
+        slot's wait when it must queue (``tiers/pacing.py``), scaled by how such estimates
+        compared with the waits requests actually had. ``caller=None``: a request that holds no
+        share (the engine's load as a whole)."""
+        raw, queued = self._estimate(caller, prompt_tokens)
+        return self.pace.calibrated(raw, queued)
 
-    def _predicted_wait(self, running: int, waiting: int) -> float:
-        """Seconds until a request submitted now gets its first token, from measured step times:
-        requests beyond the free batch slots wait for running ones to finish (a sequence lives
-        about ``steps_per_seq`` steps, and ``max_num_seqs`` finish per lifetime); then its prefill
-        takes a step or a few. A request that must queue is timed at the pace of a loaded step
-        (``_loaded_step_ema``): right after a quiet spell the latest steps are light ones, and
-        predicting a burst's wait from them admits far more than can be answered in time."""
-        step = self._step_ema
-        if step <= 0.0:
-            return 0.0
-        ahead = max(0, waiting + running + 1 - self.config.max_num_seqs)
-        if ahead:
-            step = max(step, self._loaded_step_ema)
-        slot_wait = ahead / self.config.max_num_seqs * self._steps_per_seq_ema * step
-        return slot_wait + 2 * step
+    def _estimate(self, caller: str | None, prompt_tokens: int) -> tuple[float, bool]:
+        """The uncalibrated wait, and whether the request would queue for a slot."""
+        with self._inbox_lock:
+            inbox_tokens = self._inbox_tokens
+        own = self.scheduler.backlog(caller, self._inbox.qsize(), inbox_tokens, self.pace.output_len)
+        others = [
+            (e.pace, e._whole_backlog())
+            for e in (self._worker.engines if self._worker is not None else ())
+            if e is not self and e.has_work()
+        ]
+        return predict_wait(self.pace, own, prompt_tokens, others), own.slots_ahead > 0
+
+    def _whole_backlog(self) -> Backlog:
+        """Everything queued here, as another engine's estimate sees it. Reused for a few
+        milliseconds: every admission asks each tier about every other one, and a burst of
+        requests would otherwise rescan the same sequences hundreds of times a second."""
+        now = time.monotonic()
+        cached = self._backlog_cache
+        if cached is not None and now - cached[0] < BACKLOG_REUSE_S:
+            return cached[1]
+        backlog = self.scheduler.backlog(None, self._inbox.qsize(), self._inbox_tokens)
+        self._backlog_cache = (now, backlog)
+        return backlog
 
     # -- intake (any thread) --------------------------------------------------------------------
     def submit(
@@ -197,7 +213,7 @@ class Engine:
                 f"prompt is {len(prompt_token_ids)} tokens; "
                 f"this tier's context is {self.config.max_model_len}"
             )
-        load = self.load()
+        load = self.load(predicted=False)
         if load.num_waiting + len(params) - 1 >= load.max_waiting + max(
             0, load.max_num_seqs - load.num_running
         ):
@@ -205,6 +221,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         handles = []
         leader: Sequence | None = None
+        predicted = self._estimate(caller, len(prompt_token_ids))
+        with self._inbox_lock:  # the later forks reuse the first one's prompt blocks
+            self._inbox_tokens += len(prompt_token_ids)
         for p in params:
             seq = Sequence(
                 list(prompt_token_ids),
@@ -218,7 +237,16 @@ class Engine:
             handle = RequestHandle(self, seq, loop)
             gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
             self._inbox.put(
-                ("add", _Tracked(seq, handle, IncrementalDetokenizer(self.tokenizer, p.stop), gen))
+                (
+                    "add",
+                    _Tracked(
+                        seq,
+                        handle,
+                        IncrementalDetokenizer(self.tokenizer, p.stop),
+                        gen,
+                        predicted_wait=predicted if seq is leader else None,
+                    ),
+                )
             )
             handles.append(handle)
         self._wakeup()
@@ -240,6 +268,9 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
+                if item.seq.fork_of is None:
+                    with self._inbox_lock:
+                        self._inbox_tokens -= item.seq.num_prompt_tokens
                 self._tracked[item.seq.seq_id] = item
                 if item.seq.abort_requested:
                     self._finish(item, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
@@ -273,16 +304,9 @@ class Engine:
             for seq in list(batch.seqs if batch is not None else self.scheduler.running):
                 self._fail(seq, "internal error in the engine step")
         elapsed = time.perf_counter() - started
-        # The wait a request sees is the period between this engine's steps, not a step's own
-        # length: the device thread steps every tier in turn.
-        gap = started - self._last_step_start if self._last_step_start else 0.0
-        period = gap if 0.0 < gap < 10.0 else elapsed
-        # Only while busy: after an idle spell the gap measures idleness, not the device's pace.
-        self._last_step_start = started if self.scheduler.has_work() else 0.0
-        self._step_ema = period if self._step_ema == 0.0 else 0.9 * self._step_ema + 0.1 * period
-        if batch is not None and 2 * batch.num_seqs >= self.config.max_num_seqs:
-            loaded = self._loaded_step_ema
-            self._loaded_step_ema = period if loaded == 0.0 else 0.9 * loaded + 0.1 * period
+        if batch is not None:
+            tokens = sum(batch.num_new_tokens)  # decodes and prompt chunks (verification excluded)
+            self.pace.on_step(started, elapsed, tokens, batch.num_seqs, self.scheduler.has_work())
         self.num_steps += 1
         if self.observer is not None and batch is not None:
             self.observer.on_step(self.name, batch.kind, batch.num_seqs, elapsed)
@@ -559,6 +583,10 @@ class Engine:
         self._delivered.add(seq.seq_id)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
+            if tracked.predicted_wait is not None:
+                # Calibrate the estimate on what this request actually waited (tiers/pacing.py).
+                raw, queued = tracked.predicted_wait
+                self.pace.observe(raw, seq.first_token_time - seq.arrival_time, queued)
         params = seq.params
         finish: tuple[SequenceStatus, str] | None = None
         for j, tok in enumerate(new_tokens):
@@ -619,8 +647,7 @@ class Engine:
         seq.error = error
         self._tracked.pop(seq.seq_id, None)
         if seq.first_scheduled_time is not None or seq.num_output_tokens:
-            steps = max(1, seq.num_output_tokens)
-            self._steps_per_seq_ema = 0.95 * self._steps_per_seq_ema + 0.05 * steps
+            self.pace.on_finish(seq.num_output_tokens)
         self._emit(tracked, reason, error)
         if self.observer is not None:
             self.observer.on_finish(self.name, seq)
@@ -640,7 +667,16 @@ class Engine:
         # A full-budget chunk too: the first forward of a new large shape pays one-off kernel
         # setup (seconds for oneDNN on the CPU), which the first long prompt must not.
         chunk = min(self.config.max_num_batched_tokens, self.config.max_model_len - 1)
-        _forward_scratch(self.runner, [(prompt * (chunk // len(prompt) + 1))[:chunk]])
+        long_prompt = (prompt * (chunk // len(prompt) + 1))[:chunk]
+        _forward_scratch(self.runner, [long_prompt])
+        # Then the costs the predicted wait starts from (tiers/pacing.py): a token of a prompt
+        # chunk, and a decode step of a full batch.
+        started = time.perf_counter()
+        _forward_scratch(self.runner, [long_prompt])
+        token_cost = (time.perf_counter() - started) / chunk
+        started = time.perf_counter()
+        _forward_scratch(self.runner, [prompt[:1]] * self.config.max_num_seqs, start=32)
+        self.pace.seed(token_cost=token_cost, decode_cost=time.perf_counter() - started)
         if self.draft is None or self.spec.max_k == 0:
             return
         _forward_scratch(self.draft, [prompt])
@@ -658,6 +694,13 @@ class Engine:
                     started = time.perf_counter()
                     _forward_scratch(runner, [[prompt[0]] * tokens] * b, start=ctx)
                     record(b, tokens, time.perf_counter() - started)
+        # A full batch's decode step drafts as the controller would: k draft forwards and the
+        # target over k + 1 tokens, not the plain forward the seed above timed.
+        b = self.config.max_num_seqs
+        k = self.spec.choose_k(b)
+        target, draft = self.spec.target_cost.get((b, k + 1)), self.spec.draft_cost.get((b, 1))
+        if target is not None and draft is not None:
+            self.pace.seed(token_cost=self.pace.token_cost, decode_cost=target + (draft * k if k else 0.0))
 
 
 def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:

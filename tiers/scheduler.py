@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiers.block_manager import BlockManager
+from tiers.pacing import Backlog
 from tiers.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig"]
@@ -119,9 +120,50 @@ class Scheduler:
         """Batch slots each of ``num_callers`` busy callers is entitled to."""
         return max(1, self.config.max_num_seqs // max(1, num_callers))
 
-    def caller_counts(self) -> tuple[Counter[str], Counter[str]]:
-        """Running and waiting sequences per caller (a snapshot; safe to take from another thread)."""
-        return Counter(s.caller for s in list(self.running)), Counter(s.caller for s in list(self.waiting))
+    def backlog(
+        self, caller: str | None, inbox: int = 0, inbox_tokens: int = 0, expected_len: float = 32.0
+    ) -> Backlog:
+        """What a new request from ``caller`` finds ahead of it (a snapshot; any thread), with
+        ``inbox`` requests of ``inbox_tokens`` prompt tokens not yet handed to the scheduler.
+        ``caller=None``: a request that holds no share (the whole backlog is ahead of it).
+
+        A caller below its fair share gets a slot at once (free, or preempted from a caller over
+        its share) and its prompt runs after the running prefills of callers no heavier; any other
+        request also waits for the queued prompts of callers running no more than its own (all of
+        them for ``None``), and for a slot once the batch is full: the steps until the
+        running sequences have finished often enough (``expected_len``: output tokens a sequence
+        is expected to produce, capped by each one's ``max_tokens``)."""
+        running, waiting = list(self.running), list(self.waiting)
+        decoding = sum(1 for s in running if s.is_decoding)
+        running_prefill = sum(s.num_tokens - s.num_computed_tokens for s in running if not s.is_decoding)
+        if caller is not None:
+            mine = sum(1 for s in [*running, *waiting] if s.caller == caller)
+            callers = {s.caller for s in running} | {s.caller for s in waiting} | {caller}
+            if mine + inbox < self.fair_share(len(callers)):
+                # Its prompt goes before those of callers running more than it does.
+                per_caller = Counter(s.caller for s in running)
+                ahead = sum(
+                    s.num_tokens - s.num_computed_tokens
+                    for s in running
+                    if not s.is_decoding and per_caller[s.caller] <= mine + 1
+                )
+                return Backlog(ahead, decoding, 0)
+        if caller is not None:
+            # Free slots go to the waiting caller running the fewest (``_next_waiting``): only
+            # the queued requests of callers running no more than this one are ahead of it.
+            per_caller = Counter(s.caller for s in running)
+            waiting = [s for s in waiting if per_caller[s.caller] <= per_caller[caller]]
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+        slots_ahead = max(0, len(running) + len(waiting) + inbox + 1 - self.config.max_num_seqs)
+        slot_steps = 0.0
+        if slots_ahead and running:
+            # The k-th slot frees when the k-th shortest remaining sequence ends; beyond the
+            # batch, slots turn over once per expected lifetime.
+            budget = self.config.max_num_batched_tokens
+            left = sorted(_steps_left(s, expected_len, budget) for s in running)
+            laps, k = divmod(slots_ahead - 1, len(running))
+            slot_steps = left[k] + laps * max(1.0, expected_len)
+        return Backlog(running_prefill + queued + inbox_tokens, decoding, slots_ahead, slot_steps)
 
     @property
     def num_running(self) -> int:
@@ -142,7 +184,23 @@ class Scheduler:
         """Pick the next step's work; ``None`` when there is nothing to run."""
         batch = ScheduledBatch([], [], [], [])
         self._preempt_for_fairness(batch)
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        # Decodes first (a long prompt's chunk must never starve them), then prompt chunks, the
+        # lighter callers' first (fewest running sequences; oldest first within a caller). A
+        # waiting caller lighter than some running prompt's is admitted before that prompt takes
+        # the budget: otherwise a flood's long prompts would hold every step's budget and a
+        # light caller would not even get its slot.
+        per_caller = Counter(s.caller for s in self.running)
+        lightest_waiting = min((per_caller[s.caller] for s in self.waiting), default=None)
+        prefills = sorted((s for s in self.running if not s.is_decoding), key=lambda s: per_caller[s.caller])
+        first = [s for s in self.running if s.is_decoding]
+        later: list[Sequence] = []
+        for seq in prefills:
+            heavier = lightest_waiting is not None and per_caller[seq.caller] > lightest_waiting
+            (later if heavier else first).append(seq)
+        budget = self._schedule_running(batch, first, self.config.max_num_batched_tokens)
+        if later:
+            budget = self._schedule_waiting(batch, budget, lighter_than=per_caller[later[0].caller])
+            budget = self._schedule_running(batch, later, budget)
         self._schedule_waiting(batch, budget)
         if not batch.seqs:
             return None
@@ -152,11 +210,9 @@ class Scheduler:
         batch.kind = "decode" if decodes == batch.num_seqs else "prefill" if decodes == 0 else "mixed"
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        """Running sequences: decodes first (a long prompt's chunk must never starve them), then
-        prefill chunks, each group oldest first. Returns the budget left."""
-        order = [s for s in self.running if s.is_decoding] + [s for s in self.running if not s.is_decoding]
-        scheduled: set[int] = set()
+    def _schedule_running(self, batch: ScheduledBatch, order: list[Sequence], budget: int) -> int:
+        """Running sequences ``order``, in that order, while budget lasts. Returns the budget left."""
+        scheduled = {s.seq_id for s in batch.seqs}
         for seq in order:
             if budget <= 0:
                 break
@@ -184,10 +240,11 @@ class Scheduler:
             budget -= n + k
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, lighter_than: int | None = None) -> int:
         """Waiting sequences while there is room, fairly between callers (``_next_waiting``) -
         none right after a preemption for blocks: the pool is short, and a readmitted sequence
-        would only be preempted again."""
+        would only be preempted again. ``lighter_than``: only while the next one's caller runs
+        fewer sequences than that. Returns the budget left."""
         running = Counter(s.caller for s in self.running)
         while (
             self.waiting
@@ -196,6 +253,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self._next_waiting(running)
+            if lighter_than is not None and running[seq.caller] >= lighter_than:
+                break
             if seq.is_finished:  # aborted while waiting
                 self.waiting.remove(seq)
                 continue
@@ -211,6 +270,7 @@ class Scheduler:
             batch.admitted.append(seq)
             self._add_row(batch, seq, n, 0, follow_draft=True)
             budget -= n
+        return budget
 
     def _next_waiting(self, running: Counter[str]) -> Sequence:
         """Fair queuing between callers: the waiting sequence of the caller with the fewest
@@ -372,3 +432,15 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
+
+
+def _steps_left(seq: Sequence, expected_len: float, budget: int) -> float:
+    """Steps until ``seq`` ends: what is left of its prompt (in budget-sized chunks), then its
+    expected length (capped by ``max_tokens``) less what it has produced; a sequence already past
+    that is assumed halfway through what it may still add."""
+    prefill = -(-max(0, seq.num_prompt_tokens - seq.num_computed_tokens) // max(1, budget))
+    out = seq.num_output_tokens
+    expected = min(float(seq.params.max_tokens), expected_len)
+    if out < expected:
+        return prefill + expected - out
+    return max(1.0, seq.num_remaining_tokens / 2)

@@ -24,10 +24,10 @@ def predicted(server: Server) -> Iterator[dict[str, float]]:
         engine = server.engine(name)
         original = engine.load
 
-        def load(original: Any = original, name: str = name) -> Any:
-            return dataclasses.replace(original(), predicted_wait_s=waits.get(name, 0.0))
+        def load(original: Any = original, name: str = name, **kw: Any) -> Any:
+            return dataclasses.replace(original(**kw), predicted_wait_s=waits.get(name, 0.0))
 
-        def wait(caller: str, name: str = name) -> float:
+        def wait(caller: str, prompt_tokens: int = 0, name: str = name, **kw: Any) -> float:
             return waits.get(name, 0.0)
 
         engine.load = load
@@ -60,7 +60,16 @@ def test_no_tier_with_headroom_is_refused_at_once_with_an_honest_retry_after(
     took = time.perf_counter() - started
     assert r.status_code == 429 and took < 0.5
     assert r.json()["error"]["code"] == "predicted_wait_exceeded"
-    assert r.headers["retry-after"] == "7"  # large, the last in the chain: 12 s predicted - 5 s allowed
+    # large, the last in the chain: 12 s predicted - 5 s allowed, spread by up to half again so
+    # the clients refused together do not retry together.
+    ms = int(r.headers["retry-after-ms"])
+    assert 7000 <= ms <= 10500 and r.headers["retry-after"] == str(-(-ms // 1000))
+
+
+def test_refusals_spread_their_retries(server: Server, predicted: dict[str, float]) -> None:
+    predicted.update(small=30.0, medium=30.0, large=12.0)
+    waits = {int(ask(server).headers["retry-after-ms"]) for _ in range(8)}
+    assert len(waits) > 1 and min(waits) >= 7000
 
 
 def test_the_client_deadline_lowers_the_budget(server: Server, predicted: dict[str, float]) -> None:
@@ -150,8 +159,10 @@ def test_priorities_scale_the_wait_budget(priority_server: Server) -> None:
     engine = priority_server.engine("small")
     original = engine.load
     wait = {"s": 4.0}
-    engine.load = lambda: dataclasses.replace(original(), predicted_wait_s=wait["s"])  # default budget: 5 s
-    engine.predicted_wait = lambda caller: wait["s"]
+    engine.load = lambda **kw: dataclasses.replace(
+        original(**kw), predicted_wait_s=wait["s"]
+    )  # default budget: 5 s
+    engine.predicted_wait = lambda caller, prompt_tokens=0, **kw: wait["s"]
     try:
         assert ask(priority_server, x_tenant="batch").status_code == 429  # low: 2.5 s, shed first
         assert ask(priority_server, x_tenant="someone").status_code == 200  # normal: 5 s

@@ -285,3 +285,69 @@ def test_no_fairness_preemption_for_one_caller_or_a_caller_at_its_share() -> Non
     sched.add(b2)
     batch = sched.schedule()  # b holds its share now: no more preemption
     assert batch is not None and not batch.preempted and b2 in sched.waiting
+
+
+def test_backlog_counts_the_prompt_work_ahead_of_a_new_request() -> None:
+    """What the predicted wait is built from: a request over its share waits for every prompt
+    token not yet computed (running chunks, the queue, the inbox) and for a slot once the batch is
+    full; a caller below its share only for the running prefills of callers no heavier than it
+    (theirs go first)."""
+    sched = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=16)
+    a, b, c = seq(40, caller="heavy"), seq(30, start=100, caller="heavy"), seq(20, start=200, caller="heavy")
+    for s in (a, b, c):
+        sched.add(s)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    assert [s.num_computed_tokens for s in (a, b)] == [8, 8] and c.num_computed_tokens == 0
+    heavy = sched.backlog("heavy", inbox=1, inbox_tokens=50)
+    assert heavy.prefill_tokens == (40 - 8) + (30 - 8) + 20 + 50
+    assert heavy.slots_ahead == 2 + 1 + 1 + 1 - 2 and heavy.decoding == 0
+    light = sched.backlog("light")
+    assert light.prefill_tokens == 0 and light.slots_ahead == 0  # heavy runs 2: light goes first
+
+
+def test_a_lighter_caller_at_its_share_queues_ahead_of_a_heavier_callers_queue() -> None:
+    sched = make(num_blocks=256, max_num_seqs=3, max_num_batched_tokens=64)
+    heavy = queue(sched, "heavy", 4)
+    light = seq(3, start=500, caller="light")
+    sched.add(light)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    assert [s.caller for s in sched.running].count("heavy") == 2 and light in sched.running
+    # Share is 3 // 2 = 1: light holds it, so its next request queues - but a freed slot goes to
+    # it before heavy's two waiting ones (it runs fewer), so only the slot itself is ahead.
+    assert sched.backlog("light").slots_ahead == 1
+    assert sched.backlog("heavy").slots_ahead == 3 and sched.backlog(None).slots_ahead == 3
+    assert [s for s in heavy if s in sched.waiting] == heavy[2:]
+
+
+def test_a_light_caller_is_admitted_before_a_floods_prompts_take_the_budget() -> None:
+    """Under a flood every step's budget went to the flood's running prompts first, so a light
+    caller's request could not even be admitted (admission only takes budget left over)."""
+    sched = make(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=16)
+    heavy = [seq(40, start=1 + 100 * i, caller="heavy") for i in range(3)]
+    for s in heavy:
+        sched.add(s)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    assert len(sched.running) == 2  # the budget is spent on two of the flood's prompts
+    light = seq(40, start=900, caller="light")
+    sched.add(light)
+    batch = sched.schedule()
+    assert batch is not None and batch.admitted == [light] and batch.seqs[0] is light
+    assert heavy[2] in sched.waiting  # the flood's own next request still waits its turn
+    run(sched, batch)
+    # Once running, its chunks still go before the flood's (light runs 1, heavy 2).
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs[0] is light
+
+
+def test_a_queued_request_waits_until_the_shortest_running_sequences_end() -> None:
+    """A burst's sequences all started together: the first slot frees when the shortest of them
+    ends, not after 1/max_num_seqs of a lifetime (what the first estimate assumed)."""
+    sched = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=16)
+    short = Sequence(list(range(1, 5)), SamplingParams(max_tokens=6))
+    long = Sequence(list(range(50, 54)), SamplingParams(max_tokens=40))
+    for s in (short, long):
+        sched.add(s)
+    run(sched, sched.schedule())  # type: ignore[arg-type]  # both prefilled, one token each
+    assert sched.backlog(None, expected_len=32).slot_steps == 6 - 1
+    assert sched.backlog(None, inbox=1, expected_len=32).slot_steps == 32 - 1  # the second slot
+    assert sched.backlog(None, inbox=2, expected_len=32).slot_steps == 6 - 1 + 32  # a lap later

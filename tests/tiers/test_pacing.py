@@ -1,0 +1,92 @@
+"""The predicted wait from measured costs and the work ahead (no model: the numbers are given).
+
+The bug this guards against: the first estimate counted queued requests and steps, not prompt
+tokens, so a burst of long prompts on an idle service was predicted to start in a second and
+waited 34 s (benchmarks/results/overload.json)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiers.pacing import Backlog, Pace, predict_wait
+
+
+def pace(token_cost: float = 0.001, decode_cost: float = 0.02, max_num_seqs: int = 16) -> Pace:
+    p = Pace(max_num_seqs=max_num_seqs, budget_tokens=512)
+    p.seed(token_cost=token_cost, decode_cost=decode_cost)
+    return p
+
+
+def test_unmeasured_engines_predict_no_wait() -> None:
+    assert predict_wait(Pace(16, 512), Backlog(10_000, 4, 3), 500, []) == 0.0
+
+
+def test_queued_prompt_tokens_are_waited_for_at_the_measured_cost_of_a_token() -> None:
+    p = pace()
+    alone = predict_wait(p, Backlog(0, 0, 0), 500, [])
+    assert alone == pytest.approx(0.5)
+    burst = predict_wait(p, Backlog(15 * 500, 0, 0), 500, [])  # fifteen 500-token prompts first
+    assert burst == pytest.approx(8.0)
+
+
+def test_decoding_rows_take_their_share_of_every_step() -> None:
+    p = pace()
+    # 1001 prompt tokens at 512 - 12 per step: 3 steps, each also feeding 12 decodes.
+    assert predict_wait(p, Backlog(500, 12, 0), 501, []) == pytest.approx((1001 + 3 * 12) * 0.001)
+
+
+def test_other_engines_on_the_device_add_their_steps() -> None:
+    p = pace()
+    own = Backlog(0, 0, 0)
+    idle_other = (pace(), Backlog(0, 0, 0))
+    busy_other = (pace(token_cost=0.002), Backlog(10_000, 8, 0))
+    assert predict_wait(p, own, 1024, [idle_other]) == pytest.approx(1.024)
+    # 1024 tokens take 2 turns of ours; each turn the other engine feeds a full budget (512) of
+    # its own queued prompts and a decode step for its running rows.
+    assert predict_wait(p, own, 1024, [busy_other]) == pytest.approx(1.024 + 2 * 512 * 0.002 + 2 * 0.02)
+    # One with less queued than that costs only what it has.
+    assert predict_wait(p, own, 1024, [(pace(token_cost=0.002), Backlog(100, 0, 0))]) == pytest.approx(
+        1.024 + 0.2
+    )
+
+
+def test_a_request_that_must_queue_waits_for_a_slot_at_the_loaded_pace() -> None:
+    p = pace()
+    p.loaded_period = 0.1
+    # A slot frees in 12 steps of 0.1 s, then its own 100-token prompt (one step with 16 decodes).
+    assert predict_wait(p, Backlog(0, 16, 4, slot_steps=12), 100, []) == pytest.approx(1.2 + 0.116)
+    p.loaded_period = 0.0  # never measured at that load: a decode step of every busy engine
+    other = (pace(decode_cost=0.05), Backlog(0, 4, 0))
+    assert predict_wait(p, Backlog(0, 16, 4, slot_steps=12), 100, [other]) == pytest.approx(
+        12 * (0.02 + 0.05) + 0.116 + 0.05
+    )
+
+
+def test_steps_update_the_costs_they_measure() -> None:
+    p = Pace(max_num_seqs=4, budget_tokens=512)
+    p.on_step(started=1.0, elapsed=0.256, tokens=256, num_seqs=1, busy_after=True)
+    assert p.token_cost == pytest.approx(0.001) and p.decode_cost == 0.0
+    p.on_step(started=1.3, elapsed=0.02, tokens=3, num_seqs=3, busy_after=True)
+    assert p.decode_cost == pytest.approx(0.02)
+    assert p.loaded_period == pytest.approx(0.3)  # batch half full: the gap is the loaded pace
+    p.on_step(started=1.4, elapsed=0.02, tokens=1, num_seqs=1, busy_after=False)
+    assert p.loaded_period == pytest.approx(0.3)  # a light batch says nothing about a full one
+    p.on_step(started=9.0, elapsed=0.02, tokens=4, num_seqs=4, busy_after=True)
+    assert p.loaded_period == pytest.approx(0.3)  # after an idle spell the gap is idleness
+
+
+def test_the_estimate_is_calibrated_on_the_waits_requests_actually_had() -> None:
+    """What the model misses (a draft's share of a step, the CPU the HTTP side takes) shows up as
+    requests waiting longer than predicted; the correction learns it, within bounds, separately
+    for requests that queued for a slot and those that got one at once."""
+    p = pace(decode_cost=0.02)
+    for _ in range(30):
+        p.observe(predicted=2.0, actual=6.0, queued=True)
+    assert p.calibrated(1.0, queued=True) == pytest.approx((6.0 + 0.05) / (2.0 + 0.05), rel=0.01)
+    assert p.calibrated(1.0, queued=False) == 1.0  # a queued wait's error says nothing of these
+    for _ in range(30):
+        p.observe(predicted=1.0, actual=100.0, queued=False)
+    assert p.calibrated(1.0, queued=False) == 4.0  # bounded: one stalled request cannot stop admission
+    before = p.calibrated(1.0, queued=False)
+    p.observe(predicted=0.01, actual=0.05, queued=False)  # below two decode steps: noise, not a ratio
+    assert p.calibrated(1.0, queued=False) == before

@@ -1,0 +1,140 @@
+"""How long a request submitted now waits for its first token: an engine's measured pace and the
+work queued ahead of the request (no torch: the engine feeds it numbers).
+
+Why a work model, not a queue length: on a CPU a 500-token prompt costs as much as a hundred
+decode steps, and every tier of the process shares one device thread (``device.py``). A burst of
+long prompts on an idle service looked cheap to a step-count estimate (the steps measured so far
+were light ones), so far more was admitted than could start in time: the overload benchmark saw
+accepted requests wait 34 s for their first token against a 5 s budget. Here the wait is the
+prompt tokens that must be computed before this request's last one, at the measured cost of a
+token, plus the steps the other engines on the device take in between, plus, for a request that
+must queue for a batch slot, the time running sequences take to free one.
+
+All costs are an engine's own step times (``elapsed``), not the period between its steps, so a
+tier's estimate does not double count the other tiers' steps; those are added explicitly from
+their own backlogs (round-robin: each turn of the device thread, every engine with work takes
+one step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Backlog", "Pace", "predict_wait"]
+
+PREFILL_STEP_TOKENS = 64
+"""A step feeding at least this many tokens measures the cost of a token (its fixed overhead is
+small beside them); smaller steps measure the cost of a decode step."""
+
+
+CORRECTION_RANGE = (0.5, 4.0)
+"""How far the measured ratio of actual to predicted waits may scale an estimate."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """What one engine has queued, as seen from a new request (a snapshot; any thread)."""
+
+    prefill_tokens: int
+    """Prompt tokens not yet computed that run before the new request's own."""
+    decoding: int
+    """Sequences decoding now: each turn of the device spends a decode step on them."""
+    slots_ahead: int
+    """Sequences that must get a batch slot before the new request does (0: it gets one at once)."""
+    slot_steps: float = 0.0
+    """Steps of this engine until a slot frees for the new request (from the running sequences'
+    remaining lengths), when ``slots_ahead``."""
+
+
+class Pace:
+    """An engine's measured step costs (written by the device thread, read by any thread: plain
+    floats, each replaced whole)."""
+
+    def __init__(self, max_num_seqs: int, budget_tokens: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.budget_tokens = max(1, budget_tokens)
+        self.token_cost = 0.0
+        """Seconds of this engine's own step per token fed, over steps of many tokens."""
+        self.decode_cost = 0.0
+        """Seconds of this engine's own decode step (few tokens)."""
+        self.loaded_period = 0.0
+        """Seconds between this engine's steps with the batch at least half full: the pace at
+        which running sequences finish and free slots (other tiers' steps included)."""
+        self.correction = {False: 1.0, True: 1.0}
+        """Actual over predicted waits (a moving average of the ratio, kept within
+        ``CORRECTION_RANGE``), for requests that got a slot at once and for those that queued
+        for one: what the model misses - a draft's share of a step, the CPU the HTTP side takes,
+        cache hits, how slots really turn over - is learned from the requests themselves. Kept
+        apart because the errors differ: a light caller's wait is its prompt's, a queued one's
+        is mostly the slot's, and one's ratio applied to the other refused light callers."""
+        self.output_len = 32.0
+        """Output tokens a sequence produces (moving average over finished ones)."""
+        self._last_start = 0.0
+
+    @staticmethod
+    def _ema(old: float, new: float, weight: float = 0.1) -> float:
+        return new if old == 0.0 else (1 - weight) * old + weight * new
+
+    def seed(self, *, token_cost: float, decode_cost: float) -> None:
+        """Warm-up measurements, before any real step."""
+        self.token_cost, self.decode_cost = token_cost, decode_cost
+
+    def on_step(self, started: float, elapsed: float, tokens: int, num_seqs: int, busy_after: bool) -> None:
+        if tokens >= PREFILL_STEP_TOKENS:
+            self.token_cost = self._ema(self.token_cost, elapsed / tokens)
+        elif tokens > 0:
+            self.decode_cost = self._ema(self.decode_cost, elapsed)
+        gap = started - self._last_start if self._last_start else 0.0
+        if 0.0 < gap < 10.0 and 2 * num_seqs >= self.max_num_seqs:
+            self.loaded_period = self._ema(self.loaded_period, gap)
+        # Only while busy: after an idle spell the gap measures idleness, not the device's pace.
+        self._last_start = started if busy_after else 0.0
+
+    def on_finish(self, output_tokens: int) -> None:
+        self.output_len = self._ema(self.output_len, max(1, output_tokens), 0.05)
+
+    def observe(self, predicted: float, actual: float, queued: bool) -> None:
+        """A request waited ``actual`` seconds for its first token; ``predicted`` was the
+        uncalibrated estimate at its submission (``queued``: for a slot). Short waits say little
+        about the ratio (a step's noise dominates them), so both get a floor of a decode step."""
+        floor = max(self.decode_cost, 0.05)
+        if predicted <= 0.0 or max(predicted, actual) < 2 * floor:
+            return
+        ratio = (actual + floor) / (predicted + floor)
+        low, high = CORRECTION_RANGE
+        self.correction[queued] = min(high, max(low, self._ema(self.correction[queued], ratio, 0.2)))
+
+    def calibrated(self, predicted: float, queued: bool) -> float:
+        return predicted * self.correction[queued]
+
+    def prefill_seconds(self, tokens: int) -> float:
+        return tokens * self.token_cost
+
+
+def predict_wait(pace: Pace, own: Backlog, prompt_tokens: int, others: list[tuple[Pace, Backlog]]) -> float:
+    """Seconds until a request of ``prompt_tokens`` submitted now gets its first token.
+
+    ``own``: this engine's backlog ahead of the request; ``others``: the other engines on the same
+    device thread with theirs. Unmeasured (no warm-up, no step yet): 0.
+    """
+    if pace.token_cost <= 0.0:
+        return 0.0
+    tokens = own.prefill_tokens + max(1, prompt_tokens)
+    prefill_budget = max(1, pace.budget_tokens - own.decoding)
+    turns = max(1, math.ceil(tokens / prefill_budget))
+    own_s = pace.prefill_seconds(tokens + turns * own.decoding)
+    # Round-robin: each turn every other engine with work takes a step, a chunk of up to its
+    # budget of its own queued prompts and a decode step for its running rows.
+    others_s = sum(
+        p.prefill_seconds(min(b.prefill_tokens, turns * p.budget_tokens))
+        + (turns * p.decode_cost if b.decoding else 0.0)
+        for p, b in others
+    )
+    slot_s = 0.0
+    if own.slots_ahead:
+        # Until then every step is a full batch's: the period measured at that load, or one
+        # decode step of every engine on the device.
+        period = pace.loaded_period or pace.decode_cost + sum(p.decode_cost for p, b in others if b.decoding)
+        slot_s = own.slot_steps * period
+    return slot_s + own_s + others_s
