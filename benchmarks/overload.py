@@ -8,7 +8,8 @@ again, as OpenAI's SDKs do. The clients speak HTTP through ``benchmarks.rawhttp`
 connection each), cheap enough not to starve the server they share two cores with; each refusal's
 latency is recorded as the client saw it and as the server's ``Server-Timing`` says.
 
-Per phase: goodput (tokens of complete 200 answers per second), TTFT p50/p99 of accepted requests,
+Per phase: goodput (tokens of complete 200 answers that ended while the load ran, per second of
+it; the drain after it apart), TTFT p50/p99 of accepted requests,
 rejection latency p99 and whether each carried Retry-After, status counts, and a timeline (offered
 vs accepted vs answered per 5 s, TTFT p50/p99). Then a fairness phase: two tenants over capacity,
 one sending 10x the other's concurrency; the light tenant's success rate. Gauges must be back to 0.
@@ -187,7 +188,11 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
         "statuses": dict(Counter(str(r["status"]) for r in log)),
         "rejection_codes": dict(Counter(str(r.get("code")) for r in rejected)),
         "incomplete_200": sum(1 for r in log if r["status"] == 200 and not r.get("complete")),
-        "goodput_tok_s": round(sum(r["tokens"] for r in ok) / max(elapsed, 1e-9), 2),
+        # Tokens of complete answers that ended while the load ran, per second of it: the
+        # service's throughput under that load. The drain after the clients stop (what was
+        # still queued) is reported apart: its length is how deep the queue was at the end.
+        "goodput_tok_s": round(sum(r["tokens"] for r in ok if r["end"] <= started + seconds) / seconds, 2),
+        "goodput_with_drain_tok_s": round(sum(r["tokens"] for r in ok) / max(elapsed, 1e-9), 2),
         "ttft_p50_s": round(percentile(ttft, 0.5), 3) if ttft else None,
         "ttft_p99_s": round(percentile(ttft, 0.99), 3) if ttft else None,
         "rejection_p99_ms": round(percentile(rej_lat, 0.99) * 1000, 1) if rej_lat else None,

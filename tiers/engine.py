@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,8 +57,8 @@ class _Tracked:
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     predicted_wait: tuple[float, bool] | None = None
-    """The uncalibrated wait predicted at submission and whether it queued for a slot (the
-    first of ``n`` only)."""
+    """The uncalibrated wait predicted at submission and whether it was unprotected (the first
+    of ``n`` only)."""
 
 
 class Engine:
@@ -116,6 +117,8 @@ class Engine:
         self._inbox_lock = threading.Lock()
         self._inbox_tokens = 0
         """Prompt tokens of requests submitted but not yet handed to the scheduler."""
+        self._inbox_callers: Counter[str] = Counter()
+        """Those requests per caller: a caller's share counts its own, not a flood's."""
         self._backlog_cache: tuple[float, Backlog] | None = None
 
     def _eos_ids(self) -> frozenset[int]:
@@ -164,16 +167,20 @@ class Engine:
         return self.pace.calibrated(raw, queued)
 
     def _estimate(self, caller: str | None, prompt_tokens: int) -> tuple[float, bool]:
-        """The uncalibrated wait, and whether the request would queue for a slot."""
+        """The uncalibrated wait, and whether the request would be unprotected (may be pushed back
+        by later arrivals, ``Backlog.protected``)."""
         with self._inbox_lock:
             inbox_tokens = self._inbox_tokens
-        own = self.scheduler.backlog(caller, self._inbox.qsize(), inbox_tokens, self.pace.output_len)
+            inbox_mine = self._inbox_callers[caller] if caller is not None else 0
+        own = self.scheduler.backlog(
+            caller, self._inbox.qsize(), inbox_tokens, self.pace.output_len, inbox_mine=inbox_mine
+        )
         others = [
             (e.pace, e._whole_backlog())
             for e in (self._worker.engines if self._worker is not None else ())
             if e is not self and e.has_work()
         ]
-        return predict_wait(self.pace, own, prompt_tokens, others), own.slots_ahead > 0
+        return predict_wait(self.pace, own, prompt_tokens, others), not own.protected
 
     def _whole_backlog(self) -> Backlog:
         """Everything queued here, as another engine's estimate sees it. Reused for a few
@@ -224,6 +231,7 @@ class Engine:
         predicted = self._estimate(caller, len(prompt_token_ids))
         with self._inbox_lock:  # the later forks reuse the first one's prompt blocks
             self._inbox_tokens += len(prompt_token_ids)
+            self._inbox_callers[caller] += len(params)
         for p in params:
             seq = Sequence(
                 list(prompt_token_ids),
@@ -268,8 +276,11 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
-                if item.seq.fork_of is None:
-                    with self._inbox_lock:
+                with self._inbox_lock:
+                    self._inbox_callers[item.seq.caller] -= 1
+                    if not self._inbox_callers[item.seq.caller]:
+                        del self._inbox_callers[item.seq.caller]
+                    if item.seq.fork_of is None:
                         self._inbox_tokens -= item.seq.num_prompt_tokens
                 self._tracked[item.seq.seq_id] = item
                 if item.seq.abort_requested:
@@ -583,7 +594,9 @@ class Engine:
         self._delivered.add(seq.seq_id)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-            if tracked.predicted_wait is not None:
+            # A request preempted before its first token waited for a reason no estimate at
+            # its submission could see (another caller took its slot): it says nothing of the model.
+            if tracked.predicted_wait is not None and not seq.num_preemptions:
                 # Calibrate the estimate on what this request actually waited (tiers/pacing.py).
                 raw, queued = tracked.predicted_wait
                 self.pace.observe(raw, seq.first_token_time - seq.arrival_time, queued)

@@ -121,10 +121,17 @@ class Scheduler:
         return max(1, self.config.max_num_seqs // max(1, num_callers))
 
     def backlog(
-        self, caller: str | None, inbox: int = 0, inbox_tokens: int = 0, expected_len: float = 32.0
+        self,
+        caller: str | None,
+        inbox: int = 0,
+        inbox_tokens: int = 0,
+        expected_len: float = 32.0,
+        *,
+        inbox_mine: int = 0,
     ) -> Backlog:
         """What a new request from ``caller`` finds ahead of it (a snapshot; any thread), with
-        ``inbox`` requests of ``inbox_tokens`` prompt tokens not yet handed to the scheduler.
+        ``inbox`` requests of ``inbox_tokens`` prompt tokens not yet handed to the scheduler
+        (``inbox_mine`` of them the caller's own).
         ``caller=None``: a request that holds no share (the whole backlog is ahead of it).
 
         A caller below its fair share gets a slot at once (free, or preempted from a caller over
@@ -139,7 +146,7 @@ class Scheduler:
         if caller is not None:
             mine = sum(1 for s in [*running, *waiting] if s.caller == caller)
             callers = {s.caller for s in running} | {s.caller for s in waiting} | {caller}
-            if mine + inbox < self.fair_share(len(callers)):
+            if mine + inbox_mine < self.fair_share(len(callers)):
                 # Its prompt goes before those of callers running more than it does.
                 per_caller = Counter(s.caller for s in running)
                 ahead = sum(
@@ -147,7 +154,7 @@ class Scheduler:
                     for s in running
                     if not s.is_decoding and per_caller[s.caller] <= mine + 1
                 )
-                return Backlog(ahead, decoding, 0)
+                return Backlog(ahead, decoding, 0, protected=True)
         if caller is not None:
             # Free slots go to the waiting caller running the fewest (``_next_waiting``): only
             # the queued requests of callers running no more than this one are ahead of it.
@@ -163,7 +170,7 @@ class Scheduler:
             left = sorted(_steps_left(s, expected_len, budget) for s in running)
             laps, k = divmod(slots_ahead - 1, len(running))
             slot_steps = left[k] + laps * max(1.0, expected_len)
-        return Backlog(running_prefill + queued + inbox_tokens, decoding, slots_ahead, slot_steps)
+        return Backlog(running_prefill + queued + inbox_tokens, decoding, slots_ahead, slot_steps=slot_steps)
 
     @property
     def num_running(self) -> int:

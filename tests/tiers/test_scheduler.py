@@ -303,6 +303,10 @@ def test_backlog_counts_the_prompt_work_ahead_of_a_new_request() -> None:
     assert heavy.slots_ahead == 2 + 1 + 1 + 1 - 2 and heavy.decoding == 0
     light = sched.backlog("light")
     assert light.prefill_tokens == 0 and light.slots_ahead == 0  # heavy runs 2: light goes first
+    assert light.protected and not heavy.protected
+    # A flood's requests not yet handed over count against the flood, not the light caller.
+    assert sched.backlog("light", inbox=5, inbox_tokens=500, inbox_mine=0).slots_ahead == 0
+    assert sched.backlog("light", inbox=5, inbox_tokens=500, inbox_mine=1).slots_ahead > 0
 
 
 def test_a_lighter_caller_at_its_share_queues_ahead_of_a_heavier_callers_queue() -> None:
