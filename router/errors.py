@@ -51,9 +51,7 @@ class RouterError(Exception):
         """Response headers the error carries: ``Retry-After`` (whole seconds) and, as OpenAI's
         own API does, ``retry-after-ms``, which its SDKs read first. With ``spread_retries`` the
         milliseconds are spread over up to half again the wait, so the clients refused in one
-        burst do not all come back in the same instant (measured: 150 clients retrying in
-        lockstep queued their refusals behind each other for 250 ms at p99,
-        benchmarks/overload.py); Retry-After rounds that up."""
+        burst do not all come back in the same instant as a herd; Retry-After rounds that up."""
         out: dict[str, str] = {}
         if self.retry_after is not None:
             ms = max(1.0, self.retry_after) * 1000
