@@ -62,7 +62,9 @@ class AttnGroup:
     kv_len: int
     """Gathered positions per row (``num_blocks * block_size``)."""
     mask: torch.Tensor
-    """``[num_rows, 1, group * q_len, kv_len]`` bool, query axis in GQA-folded order."""
+    """``[num_rows, 1, group * q_len, kv_len]`` additive (0 / -inf, the activations' dtype), query
+    axis in GQA-folded order. Built once per forward: a bool mask would be turned into this inside
+    every layer's attention call (the same values, so the same result)."""
 
 
 def kv_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
@@ -237,6 +239,7 @@ class ModelRunner:
                 .expand(len(members), group, q_len, kv_len)
                 .reshape(len(members), 1, group * q_len, kv_len)
             )
+            additive = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
             groups.append(
                 AttnGroup(
                     first,
@@ -244,7 +247,7 @@ class ModelRunner:
                     q_len,
                     self._block_idx(members, num_blocks).to(self.device),
                     kv_len,
-                    mask.to(self.device),
+                    additive.to(self.device),
                 )
             )
             i = j

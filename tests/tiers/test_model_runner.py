@@ -83,6 +83,31 @@ def test_fast_and_generic_paths_agree(tiny_model_dir: Path) -> None:
         assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_norm_and_rope_are_bitwise_hfs(dtype: torch.dtype) -> None:
+    """The fast path's RMSNorm (one F.rms_norm) and RoPE (sign folded into sin) against HF's
+    own LlamaRMSNorm and apply_rotary_pos_emb: the same bits, not just close."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from tiers.fast_forward import FastDecoder
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=g).to(dtype) * 3
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g).to(dtype))
+        assert torch.equal(FastDecoder._rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+    heads, dim = 5, 64
+    q = torch.randn(7, heads, dim, generator=g).to(dtype)
+    angles = torch.rand(7, 1, dim // 2, generator=g) * 100
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    hf_q = q.transpose(0, 1)[None]  # HF's [batch, heads, seq, dim], cos/sin [batch, seq, dim]
+    ref, _ = apply_rotary_pos_emb(hf_q, hf_q, cos[None, :, 0], sin[None, :, 0], unsqueeze_dim=1)
+    signed = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), -1)
+    assert torch.equal(FastDecoder._rotate(q, cos, signed), ref[0].transpose(0, 1))
+
+
 def test_sliding_window_models_are_refused_with_a_clear_error() -> None:
     from transformers import MistralConfig
 
