@@ -163,8 +163,8 @@ class Engine:
         slot's wait when it must queue (``tiers/pacing.py``), scaled by how such estimates
         compared with the waits requests actually had. ``caller=None``: a request that holds no
         share (the engine's load as a whole)."""
-        raw, queued = self._estimate(caller, prompt_tokens)
-        return self.pace.calibrated(raw, queued)
+        raw, unprotected = self._estimate(caller, prompt_tokens)
+        return self.pace.calibrated(raw, unprotected)
 
     def _estimate(self, caller: str | None, prompt_tokens: int) -> tuple[float, bool]:
         """The uncalibrated wait, and whether the request would be unprotected (may be pushed back
@@ -598,8 +598,8 @@ class Engine:
             # its submission could see (another caller took its slot): it says nothing of the model.
             if tracked.predicted_wait is not None and not seq.num_preemptions:
                 # Calibrate the estimate on what this request actually waited (tiers/pacing.py).
-                raw, queued = tracked.predicted_wait
-                self.pace.observe(raw, seq.first_token_time - seq.arrival_time, queued)
+                raw, unprotected = tracked.predicted_wait
+                self.pace.observe(raw, seq.first_token_time - seq.arrival_time, unprotected)
         params = seq.params
         finish: tuple[SequenceStatus, str] | None = None
         for j, tok in enumerate(new_tokens):
@@ -713,7 +713,7 @@ class Engine:
         k = self.spec.choose_k(b)
         target, draft = self.spec.target_cost.get((b, k + 1)), self.spec.draft_cost.get((b, 1))
         if target is not None and draft is not None:
-            self.pace.seed(token_cost=self.pace.token_cost, decode_cost=target + (draft * k if k else 0.0))
+            self.pace.seed(decode_cost=target + draft * k)
 
 
 def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:

@@ -29,8 +29,9 @@ small beside them); smaller steps measure the cost of a decode step."""
 
 
 CORRECTION_RANGE = (0.5, 4.0)
-CALIBRATION_FLOOR_S = 1.0
 """How far the measured ratio of actual to predicted waits may scale an estimate."""
+CALIBRATION_FLOOR_S = 1.0
+"""Added to both waits before taking their ratio (``Pace.observe``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,8 @@ class Pace:
         which running sequences finish and free slots (other tiers' steps included)."""
         self.correction = {False: 1.0, True: 1.0}
         """Actual over predicted waits (a moving average of the ratio, kept within
-        ``CORRECTION_RANGE``), for protected requests (``Backlog.protected``) and for the rest:
+        ``CORRECTION_RANGE``), keyed by ``unprotected``: protected requests (``Backlog.protected``)
+        under ``False``, the rest under ``True``:
         what the model misses - a draft's share of a step, the CPU the HTTP side takes, cache
         hits, how slots really turn over - is learned from the requests themselves. Kept apart
         because the errors differ: a protected request's wait is its prompt's, anyone else's is
@@ -81,9 +83,12 @@ class Pace:
     def _ema(old: float, new: float, weight: float = 0.1) -> float:
         return new if old == 0.0 else (1 - weight) * old + weight * new
 
-    def seed(self, *, token_cost: float, decode_cost: float) -> None:
-        """Warm-up measurements, before any real step."""
-        self.token_cost, self.decode_cost = token_cost, decode_cost
+    def seed(self, *, token_cost: float | None = None, decode_cost: float | None = None) -> None:
+        """Warm-up measurements, before any real step (``None`` keeps what was seeded)."""
+        if token_cost is not None:
+            self.token_cost = token_cost
+        if decode_cost is not None:
+            self.decode_cost = decode_cost
 
     def on_step(self, started: float, elapsed: float, tokens: int, num_seqs: int, busy_after: bool) -> None:
         if tokens >= PREFILL_STEP_TOKENS:
@@ -99,9 +104,9 @@ class Pace:
     def on_finish(self, output_tokens: int) -> None:
         self.output_len = self._ema(self.output_len, max(1, output_tokens), 0.05)
 
-    def observe(self, predicted: float, actual: float, queued: bool) -> None:
+    def observe(self, predicted: float, actual: float, unprotected: bool) -> None:
         """A request waited ``actual`` seconds for its first token; ``predicted`` was the
-        uncalibrated estimate at its submission (``queued``: it was not protected). The ratio is
+        uncalibrated estimate at its submission (``unprotected``: not ``Backlog.protected``). The ratio is
         taken over both plus ``CALIBRATION_FLOOR_S``: a short wait's error is mostly where in the
         device's turn the request landed, an offset, and as a ratio it would scale every longer
         estimate by it (measured: 0.3 s predicted, 1.3 s waited in a burst)."""
@@ -109,10 +114,12 @@ class Pace:
             return
         ratio = (actual + CALIBRATION_FLOOR_S) / (predicted + CALIBRATION_FLOOR_S)
         low, high = CORRECTION_RANGE
-        self.correction[queued] = min(high, max(low, self._ema(self.correction[queued], ratio, 0.2)))
+        old = self.correction[unprotected]
+        self.correction[unprotected] = min(high, max(low, self._ema(old, ratio, 0.2)))
 
-    def calibrated(self, predicted: float, queued: bool) -> float:
-        return max(0.0, (predicted + CALIBRATION_FLOOR_S) * self.correction[queued] - CALIBRATION_FLOOR_S)
+    def calibrated(self, predicted: float, unprotected: bool) -> float:
+        scaled = (predicted + CALIBRATION_FLOOR_S) * self.correction[unprotected]
+        return max(0.0, scaled - CALIBRATION_FLOOR_S)
 
     def prefill_seconds(self, tokens: int) -> float:
         return tokens * self.token_cost

@@ -144,21 +144,19 @@ class Scheduler:
         decoding = sum(1 for s in running if s.is_decoding)
         running_prefill = sum(s.num_tokens - s.num_computed_tokens for s in running if not s.is_decoding)
         if caller is not None:
+            per_caller = Counter(s.caller for s in running)
             mine = sum(1 for s in [*running, *waiting] if s.caller == caller)
-            callers = {s.caller for s in running} | {s.caller for s in waiting} | {caller}
+            callers = per_caller.keys() | {s.caller for s in waiting} | {caller}
             if mine + inbox_mine < self.fair_share(len(callers)):
                 # Its prompt goes before those of callers running more than it does.
-                per_caller = Counter(s.caller for s in running)
                 ahead = sum(
                     s.num_tokens - s.num_computed_tokens
                     for s in running
                     if not s.is_decoding and per_caller[s.caller] <= mine + 1
                 )
                 return Backlog(ahead, decoding, 0, protected=True)
-        if caller is not None:
             # Free slots go to the waiting caller running the fewest (``_next_waiting``): only
             # the queued requests of callers running no more than this one are ahead of it.
-            per_caller = Counter(s.caller for s in running)
             waiting = [s for s in waiting if per_caller[s.caller] <= per_caller[caller]]
         queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
         slots_ahead = max(0, len(running) + len(waiting) + inbox + 1 - self.config.max_num_seqs)

@@ -81,13 +81,13 @@ def test_the_estimate_is_calibrated_on_the_waits_requests_actually_had() -> None
     for protected requests (below their caller's share) and the rest."""
     p = pace(decode_cost=0.02)
     for _ in range(30):
-        p.observe(predicted=2.0, actual=5.0, queued=True)
-    assert p.calibrated(2.0, queued=True) == pytest.approx(5.0, rel=0.01)
-    assert p.calibrated(2.0, queued=False) == 2.0  # a flood's error says nothing of protected ones
+        p.observe(predicted=2.0, actual=5.0, unprotected=True)
+    assert p.calibrated(2.0, unprotected=True) == pytest.approx(5.0, rel=0.01)
+    assert p.calibrated(2.0, unprotected=False) == 2.0  # a flood's error says nothing of protected ones
     for _ in range(30):
-        p.observe(predicted=1.0, actual=100.0, queued=False)
+        p.observe(predicted=1.0, actual=100.0, unprotected=False)
     assert p.correction[False] == 4.0  # bounded: one stalled request cannot stop admission
     q = pace()
     for _ in range(30):  # a burst's short waits: off by an offset, not a factor
-        q.observe(predicted=0.3, actual=1.3, queued=False)
-    assert q.calibrated(4.0, queued=False) < 8.0  # a pure ratio (4.3x) would say 17 s
+        q.observe(predicted=0.3, actual=1.3, unprotected=False)
+    assert q.calibrated(4.0, unprotected=False) < 8.0  # a pure ratio (4.3x) would say 17 s
