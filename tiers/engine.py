@@ -119,6 +119,8 @@ class Engine:
         """Prompt tokens of requests submitted but not yet handed to the scheduler."""
         self._inbox_callers: Counter[str] = Counter()
         """Those requests per caller: a caller's share counts its own, not a flood's."""
+        self._inbox_caller_tokens: Counter[str] = Counter()
+        """And their prompt tokens: a caller's own earlier requests run before its new one."""
         self._backlog_cache: tuple[float, Backlog] | None = None
 
     def _eos_ids(self) -> frozenset[int]:
@@ -172,8 +174,14 @@ class Engine:
         with self._inbox_lock:
             inbox_tokens = self._inbox_tokens
             inbox_mine = self._inbox_callers[caller] if caller is not None else 0
+            inbox_mine_tokens = self._inbox_caller_tokens[caller] if caller is not None else 0
         own = self.scheduler.backlog(
-            caller, self._inbox.qsize(), inbox_tokens, self.pace.output_len, inbox_mine=inbox_mine
+            caller,
+            self._inbox.qsize(),
+            inbox_tokens,
+            self.pace.output_len,
+            inbox_mine=inbox_mine,
+            inbox_mine_tokens=inbox_mine_tokens,
         )
         others = [
             (e.pace, e._whole_backlog())
@@ -232,6 +240,7 @@ class Engine:
         with self._inbox_lock:  # the later forks reuse the first one's prompt blocks
             self._inbox_tokens += len(prompt_token_ids)
             self._inbox_callers[caller] += len(params)
+            self._inbox_caller_tokens[caller] += len(prompt_token_ids)
         for p in params:
             seq = Sequence(
                 list(prompt_token_ids),
@@ -282,6 +291,9 @@ class Engine:
                         del self._inbox_callers[item.seq.caller]
                     if item.seq.fork_of is None:
                         self._inbox_tokens -= item.seq.num_prompt_tokens
+                        self._inbox_caller_tokens[item.seq.caller] -= item.seq.num_prompt_tokens
+                        if not self._inbox_caller_tokens[item.seq.caller]:
+                            del self._inbox_caller_tokens[item.seq.caller]
                 self._tracked[item.seq.seq_id] = item
                 if item.seq.abort_requested:
                     self._finish(item, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)

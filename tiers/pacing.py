@@ -19,6 +19,7 @@ one step).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 __all__ = ["Backlog", "Pace", "predict_wait"]
@@ -32,6 +33,11 @@ CORRECTION_RANGE = (0.5, 4.0)
 """How far the measured ratio of actual to predicted waits may scale an estimate."""
 CALIBRATION_FLOOR_S = 1.0
 """Added to both waits before taking their ratio (``Pace.observe``)."""
+CORRECTION_MEMORY_S = 30.0
+"""Time constant over which a ratio not confirmed by new waits relaxes back to 1: a ratio
+learned under one load said little about the next (measured: the large tier's protected ratio,
+learned at 2.4 in a single-tenant flood, stayed there into a two-tenant phase whose protected
+requests waited 0.3-1.3 s against estimates of 0.8-1.5 s, and so refused them at ~6 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,7 @@ class Pace:
         because the errors differ: a protected request's wait is its prompt's, anyone else's is
         mostly the slot's and grows when lighter callers arrive after it. One ratio for both
         (measured: 4x, from a flood overtaken by a light tenant) refused the light tenant."""
+        self._corrected_at = {False: 0.0, True: 0.0}
         self.output_len = 32.0
         """Output tokens a sequence produces (moving average over finished ones)."""
         self._last_start = 0.0
@@ -104,7 +111,7 @@ class Pace:
     def on_finish(self, output_tokens: int) -> None:
         self.output_len = self._ema(self.output_len, max(1, output_tokens), 0.05)
 
-    def observe(self, predicted: float, actual: float, unprotected: bool) -> None:
+    def observe(self, predicted: float, actual: float, unprotected: bool, now: float | None = None) -> None:
         """A request waited ``actual`` seconds for its first token; ``predicted`` was the
         uncalibrated estimate at its submission (``unprotected``: not ``Backlog.protected``). The ratio is
         taken over both plus ``CALIBRATION_FLOOR_S``: a short wait's error is mostly where in the
@@ -112,13 +119,21 @@ class Pace:
         estimate by it (measured: 0.3 s predicted, 1.3 s waited in a burst)."""
         if predicted <= 0.0:
             return
+        now = time.monotonic() if now is None else now
         ratio = (actual + CALIBRATION_FLOOR_S) / (predicted + CALIBRATION_FLOOR_S)
         low, high = CORRECTION_RANGE
-        old = self.correction[unprotected]
+        old = self.ratio(unprotected, now)
         self.correction[unprotected] = min(high, max(low, self._ema(old, ratio, 0.2)))
+        self._corrected_at[unprotected] = now
 
-    def calibrated(self, predicted: float, unprotected: bool) -> float:
-        scaled = (predicted + CALIBRATION_FLOOR_S) * self.correction[unprotected]
+    def ratio(self, unprotected: bool, now: float | None = None) -> float:
+        """The correction now: the learned ratio, relaxed towards 1 by its age
+        (``CORRECTION_MEMORY_S``)."""
+        age = (time.monotonic() if now is None else now) - self._corrected_at[unprotected]
+        return 1.0 + (self.correction[unprotected] - 1.0) * math.exp(-max(0.0, age) / CORRECTION_MEMORY_S)
+
+    def calibrated(self, predicted: float, unprotected: bool, now: float | None = None) -> float:
+        scaled = (predicted + CALIBRATION_FLOOR_S) * self.ratio(unprotected, now)
         return max(0.0, scaled - CALIBRATION_FLOOR_S)
 
     def prefill_seconds(self, tokens: int) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiers.pacing import Backlog, Pace, predict_wait
+from tiers.pacing import CORRECTION_MEMORY_S, Backlog, Pace, predict_wait
 
 
 def pace(token_cost: float = 0.001, decode_cost: float = 0.02, max_num_seqs: int = 16) -> Pace:
@@ -91,3 +91,16 @@ def test_the_estimate_is_calibrated_on_the_waits_requests_actually_had() -> None
     for _ in range(30):  # a burst's short waits: off by an offset, not a factor
         q.observe(predicted=0.3, actual=1.3, unprotected=False)
     assert q.calibrated(4.0, unprotected=False) < 8.0  # a pure ratio (4.3x) would say 17 s
+
+
+def test_a_correction_not_confirmed_by_new_waits_relaxes_to_one() -> None:
+    """A ratio learned under one load (a flood) is not applied unchanged to the next (a light
+    tenant's requests), but a fresh one holds."""
+    p = pace()
+    for i in range(30):
+        p.observe(predicted=1.0, actual=7.0, unprotected=False, now=100.0 + i * 0.1)
+    fresh = p.calibrated(1.0, unprotected=False, now=103.0)
+    assert fresh > 5.0
+    later = p.calibrated(1.0, unprotected=False, now=103.0 + CORRECTION_MEMORY_S)
+    much_later = p.calibrated(1.0, unprotected=False, now=103.0 + 10 * CORRECTION_MEMORY_S)
+    assert 1.0 < much_later < later < fresh and much_later == pytest.approx(1.0, abs=0.01)

@@ -355,3 +355,42 @@ def test_a_queued_request_waits_until_the_shortest_running_sequences_end() -> No
     assert sched.backlog(None, expected_len=32).slot_steps == 6 - 1
     assert sched.backlog(None, inbox=1, expected_len=32).slot_steps == 32 - 1  # the second slot
     assert sched.backlog(None, inbox=2, expected_len=32).slot_steps == 6 - 1 + 32  # a lap later
+
+
+def test_a_protected_caller_waits_for_its_own_earlier_requests() -> None:
+    """A caller's requests keep their order, so a protected request's prompt runs after the
+    caller's own queued and not-yet-handed-over prompts (a burst from one light caller was
+    predicted as if each request were alone)."""
+    sched = make(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16)
+    sched.add(seq(3, caller="heavy"))
+    mine = seq(30, start=100, caller="light")
+    sched.add(mine)
+    assert sched.backlog("light").prefill_tokens == 30
+    handed_over_later = sched.backlog("light", inbox=2, inbox_tokens=90, inbox_mine=1, inbox_mine_tokens=40)
+    assert handed_over_later.prefill_tokens == 30 + 40
+    assert sched.backlog("light").protected
+
+
+def test_a_lone_caller_is_not_protected() -> None:
+    """Alone, a caller below its share can still be pushed back by any caller arriving after it
+    (lighter, so first); counting its requests as protected let a flood's stretched waits set
+    the protected calibration that a light tenant's requests are then judged by."""
+    sched = make(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    queue(sched, "heavy", 2)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    assert not sched.backlog("heavy").protected
+    assert sched.backlog("light").protected  # a second caller below its share is
+    sched.add(seq(3, start=500, caller="light"))
+    assert sched.backlog("heavy").protected  # two callers now: heavy, running 2, is below 8 // 2
+
+
+def test_a_burst_on_an_idle_engine_waits_for_the_slots_it_fills() -> None:
+    """Requests queued before any runs will hold every slot for their whole lives: a request
+    beyond the batch waits for them (a 70-request burst on an idle tier was all admitted as if
+    slots were free, and the last waited 24 s)."""
+    sched = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=16)
+    sched.add(seq(4))
+    assert sched.backlog(None, expected_len=32).slots_ahead == 0
+    ahead = sched.backlog(None, inbox=1, expected_len=32)  # the waiting one and the inbox's fill both
+    assert ahead.slots_ahead == 1 and ahead.slot_steps >= 32  # an occupant's whole life
+    assert sched.backlog(None, inbox=3, expected_len=32).slot_steps >= 2 * 32  # a lap later
