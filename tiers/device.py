@@ -7,7 +7,11 @@ that makes the lower tiers cheap ran 3x slower (30 us -> 90 us per call), which 
 speculative speed-up. On a GPU the tiers share one device and its steps serialize anyway.
 
 So model loading, warm-up and every engine step run here, round-robin across the engines that
-have work: one step each per turn, so a busy tier cannot starve the others.
+have work: one step each per turn, so a busy tier cannot starve the others. While any engine
+holds a protected caller's prompt (a caller below its fair share, ``Scheduler.protected_callers``),
+a turn runs decodes and protected prompts only, for at most ``MAX_DEFERRED_TURNS`` turns in a row:
+otherwise a light tenant's request waited for a whole turn of the other tiers' long prompt chunks
+of a flood (measured: 3-6 s to the first token against a 5 s budget, so it was refused).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ __all__ = ["DeviceWorker"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MAX_DEFERRED_TURNS = 4
+"""Turns in a row that may hold back unprotected prompts; then one runs them, so a stream of
+protected arrivals slows a flood's prompts but never stops them."""
+
 
 class DeviceWorker:
     def __init__(self, name: str = "device") -> None:
@@ -36,6 +44,7 @@ class DeviceWorker:
         )
         self._wake = threading.Event()
         self._stopping = False
+        self._deferred_turns = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -85,6 +94,18 @@ class DeviceWorker:
             except BaseException as exc:
                 fut.set_exception(exc)
 
+    def _defer_this_turn(self) -> bool:
+        try:
+            urgent = any(e.has_protected_prefill() for e in self.engines if e.has_work())
+        except Exception:  # a bookkeeping error must not stop the device: run a plain turn
+            log.exception("checking for protected prompts failed")
+            urgent = False
+        if urgent and self._deferred_turns < MAX_DEFERRED_TURNS:
+            self._deferred_turns += 1
+            return True
+        self._deferred_turns = 0
+        return False
+
     def _loop(self) -> None:
         import os
 
@@ -99,10 +120,11 @@ class DeviceWorker:
         while not self._stopping:
             self._run_calls()
             did_work = False
+            defer = self._defer_this_turn()
             for engine in self.engines:
                 if engine.has_work():
                     try:
-                        did_work = engine.step() or did_work
+                        did_work = engine.step(defer_unprotected_prompts=defer) or did_work
                     except Exception:  # engine.step guards itself; this is the last line of defence
                         log.exception("engine %s: unhandled error in step", engine.name)
             if not did_work:

@@ -306,15 +306,22 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._inbox.empty()
 
-    def step(self) -> bool:
-        """schedule -> run -> postprocess, once. Returns False when there was nothing to run."""
+    def has_protected_prefill(self) -> bool:
+        """A protected caller's prompt waits here (``Scheduler.has_protected_prefill``); device
+        thread only (it hands the inbox over first)."""
+        self._drain_inbox()
+        return self.scheduler.has_protected_prefill()
+
+    def step(self, *, defer_unprotected_prompts: bool = False) -> bool:
+        """schedule -> run -> postprocess, once. Returns False when there was nothing to run.
+        ``defer_unprotected_prompts``: see ``Scheduler.schedule``."""
         self._drain_inbox()
         batch = None
         started = time.perf_counter()
         try:
             decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
             self._k = self.spec.choose_k(max(1, decoding)) if self.draft is not None else 0
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(defer_unprotected_prompts=defer_unprotected_prompts)
             if batch is None:
                 return False
             now = time.monotonic()

@@ -56,6 +56,9 @@ class Backlog:
     slot_steps: float = 0.0
     """Steps of this engine until a slot frees for the new request (from the running sequences'
     remaining lengths), when ``slots_ahead``."""
+    protected_prefill_tokens: int = 0
+    """Of ``prefill_tokens``, those of protected callers' prompts (the engine's whole backlog
+    only): while one is pending, the engines on the device run no one else's prompts."""
 
 
 class Pace:
@@ -153,9 +156,12 @@ def predict_wait(pace: Pace, own: Backlog, prompt_tokens: int, others: list[tupl
     turns = max(1, math.ceil(tokens / prefill_budget))
     own_s = pace.prefill_seconds(tokens + turns * own.decoding)
     # Round-robin: each turn every other engine with work takes a step, a chunk of up to its
-    # budget of its own queued prompts and a decode step for its running rows.
+    # budget of its own queued prompts and a decode step for its running rows. A protected
+    # request's prompt holds back the others' prompts but protected callers' (``Scheduler.schedule``).
     others_s = sum(
-        p.prefill_seconds(min(b.prefill_tokens, turns * p.budget_tokens))
+        p.prefill_seconds(
+            min(b.protected_prefill_tokens if own.protected else b.prefill_tokens, turns * p.budget_tokens)
+        )
         + (turns * p.decode_cost if b.decoding else 0.0)
         for p, b in others
     )

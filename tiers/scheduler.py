@@ -120,6 +120,23 @@ class Scheduler:
         """Batch slots each of ``num_callers`` busy callers is entitled to."""
         return max(1, self.config.max_num_seqs // max(1, num_callers))
 
+    def protected_callers(self) -> set[str]:
+        """Callers below their fair share while another caller is busy here too (what
+        ``backlog`` calls protected): their prompts go before anyone else's."""
+        held = Counter(s.caller for s in [*self.running, *self.waiting] if not s.is_finished)
+        if len(held) < 2:
+            return set()
+        share = self.fair_share(len(held))
+        return {c for c, n in held.items() if n < share}
+
+    def has_protected_prefill(self) -> bool:
+        """A protected caller's prompt is not yet computed (waiting or running)."""
+        callers = self.protected_callers()
+        return bool(callers) and any(
+            s.caller in callers and not s.is_decoding and not s.is_finished
+            for s in [*self.running, *self.waiting]
+        )
+
     def backlog(
         self,
         caller: str | None,
@@ -165,6 +182,12 @@ class Scheduler:
             # the queued requests of callers running no more than this one are ahead of it.
             waiting = [s for s in waiting if per_caller[s.caller] <= per_caller[caller]]
         queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+        protected = self.protected_callers() if caller is None else set()
+        protected_prefill = sum(
+            s.num_tokens - s.num_computed_tokens
+            for s in [*running, *waiting]
+            if s.caller in protected and not s.is_decoding
+        )
         slots_ahead = max(0, len(running) + len(waiting) + inbox + 1 - self.config.max_num_seqs)
         slot_steps = 0.0
         if slots_ahead:
@@ -182,7 +205,13 @@ class Scheduler:
             left.sort()
             laps, k = divmod(slots_ahead - 1, len(left))
             slot_steps = left[k] + laps * max(1.0, expected_len)
-        return Backlog(running_prefill + queued + inbox_tokens, decoding, slots_ahead, slot_steps=slot_steps)
+        return Backlog(
+            running_prefill + queued + inbox_tokens,
+            decoding,
+            slots_ahead,
+            slot_steps=slot_steps,
+            protected_prefill_tokens=protected_prefill,
+        )
 
     @property
     def num_running(self) -> int:
@@ -199,10 +228,16 @@ class Scheduler:
         return self.blocks.num_used_blocks * self.blocks.block_size
 
     # -- one step -------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step's work; ``None`` when there is nothing to run."""
+    def schedule(self, *, defer_unprotected_prompts: bool = False) -> ScheduledBatch | None:
+        """Pick the next step's work; ``None`` when there is nothing to run.
+
+        ``defer_unprotected_prompts``: a protected caller's prompt is pending somewhere on the
+        device (this engine or another sharing it): run decodes and protected callers' prompts
+        only, so the device's turn comes round to that prompt sooner (the other tiers' long
+        prompt chunks were most of a protected request's wait)."""
         batch = ScheduledBatch([], [], [], [])
         self._preempt_for_fairness(batch)
+        allowed = self.protected_callers() if defer_unprotected_prompts else None
         # Decodes first (a long prompt's chunk must never starve them), then prompt chunks, the
         # lighter callers' first (fewest running sequences; oldest first within a caller). A
         # waiting caller lighter than some running prompt's is admitted before that prompt takes
@@ -210,7 +245,10 @@ class Scheduler:
         # light caller would not even get its slot.
         per_caller = Counter(s.caller for s in self.running)
         lightest_waiting = min((per_caller[s.caller] for s in self.waiting), default=None)
-        prefills = sorted((s for s in self.running if not s.is_decoding), key=lambda s: per_caller[s.caller])
+        prefills = sorted(
+            (s for s in self.running if not s.is_decoding and (allowed is None or s.caller in allowed)),
+            key=lambda s: per_caller[s.caller],
+        )
         first = [s for s in self.running if s.is_decoding]
         later: list[Sequence] = []
         for seq in prefills:
@@ -218,9 +256,11 @@ class Scheduler:
             (later if heavier else first).append(seq)
         budget = self._schedule_running(batch, first, self.config.max_num_batched_tokens)
         if later:
-            budget = self._schedule_waiting(batch, budget, lighter_than=per_caller[later[0].caller])
+            budget = self._schedule_waiting(
+                batch, budget, lighter_than=per_caller[later[0].caller], only=allowed
+            )
             budget = self._schedule_running(batch, later, budget)
-        self._schedule_waiting(batch, budget)
+        self._schedule_waiting(batch, budget, only=allowed)
         if not batch.seqs:
             return None
         decodes = sum(
@@ -259,11 +299,18 @@ class Scheduler:
             budget -= n + k
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, lighter_than: int | None = None) -> int:
+    def _schedule_waiting(
+        self,
+        batch: ScheduledBatch,
+        budget: int,
+        lighter_than: int | None = None,
+        only: set[str] | None = None,
+    ) -> int:
         """Waiting sequences while there is room, fairly between callers (``_next_waiting``) -
         none right after a preemption for blocks: the pool is short, and a readmitted sequence
         would only be preempted again. ``lighter_than``: only while the next one's caller runs
-        fewer sequences than that. Returns the budget left."""
+        fewer sequences than that; ``only``: only these callers' (the next one is another's:
+        stop). Returns the budget left."""
         running = Counter(s.caller for s in self.running)
         while (
             self.waiting
@@ -273,6 +320,8 @@ class Scheduler:
         ):
             seq = self._next_waiting(running)
             if lighter_than is not None and running[seq.caller] >= lighter_than:
+                break
+            if only is not None and seq.caller not in only:
                 break
             if seq.is_finished:  # aborted while waiting
                 self.waiting.remove(seq)

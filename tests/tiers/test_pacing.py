@@ -104,3 +104,14 @@ def test_a_correction_not_confirmed_by_new_waits_relaxes_to_one() -> None:
     later = p.calibrated(1.0, unprotected=False, now=103.0 + CORRECTION_MEMORY_S)
     much_later = p.calibrated(1.0, unprotected=False, now=103.0 + 10 * CORRECTION_MEMORY_S)
     assert 1.0 < much_later < later < fresh and much_later == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_protected_request_waits_only_for_the_other_engines_protected_prompts() -> None:
+    """The other tiers run no one else's prompts while a protected one is pending, so only their
+    protected prompts and decode steps are ahead of it; an unprotected request waits for all."""
+    p = pace()
+    other = (pace(token_cost=0.002), Backlog(2000, 8, 0, protected_prefill_tokens=100))
+    protected = predict_wait(p, Backlog(0, 0, 0, protected=True), 100, [other])
+    unprotected = predict_wait(p, Backlog(0, 0, 0), 100, [other])
+    assert protected == pytest.approx(0.1 + 100 * 0.002 + 0.02)
+    assert unprotected == pytest.approx(0.1 + 512 * 0.002 + 0.02)

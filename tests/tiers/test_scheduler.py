@@ -394,3 +394,28 @@ def test_a_burst_on_an_idle_engine_waits_for_the_slots_it_fills() -> None:
     ahead = sched.backlog(None, inbox=1, expected_len=32)  # the waiting one and the inbox's fill both
     assert ahead.slots_ahead == 1 and ahead.slot_steps >= 32  # an occupant's whole life
     assert sched.backlog(None, inbox=3, expected_len=32).slot_steps >= 2 * 32  # a lap later
+
+
+def test_while_a_protected_prompt_is_pending_only_decodes_and_protected_prompts_run() -> None:
+    """The device defers everyone else's prompts while a protected caller's waits (``tiers/device.py``):
+    the flood's running chunk and its queued admissions sit the step out, its decodes do not."""
+    sched = make(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)  # share: 2 each
+    decoding = seq(3, caller="heavy")
+    sched.add(decoding)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    long = seq(100, start=100, caller="heavy")
+    sched.add(long)
+    run(sched, sched.schedule())  # type: ignore[arg-type]  # long is mid-prompt now
+    queued = seq(10, start=300, caller="heavy")
+    sched.add(queued)
+    assert not sched.has_protected_prefill()  # one caller: nobody is protected
+    light = seq(20, start=500, caller="light")
+    sched.add(light)
+    assert sched.protected_callers() == {"light"} and sched.has_protected_prefill()
+    batch = sched.schedule(defer_unprotected_prompts=True)
+    assert batch is not None
+    assert set(batch.seqs) == {decoding, light} and queued in sched.waiting
+    run(sched, batch)
+    assert not sched.has_protected_prefill()  # its prompt is done: nothing to defer for
+    batch = sched.schedule(defer_unprotected_prompts=False)
+    assert batch is not None and long in batch.seqs and queued in batch.seqs
