@@ -8,8 +8,8 @@ again, as OpenAI's SDKs do. The clients speak HTTP through ``benchmarks.rawhttp`
 connection each), cheap enough not to starve the server they share two cores with; each refusal's
 latency is recorded as the client saw it and as the server's ``Server-Timing`` says.
 
-Per phase: goodput (tokens of complete 200 answers that ended while the load ran, per second of
-it; the drain after it apart), TTFT p50/p99 of accepted requests,
+Per phase: goodput (completion tokens, from each stream's usage chunk, of complete 200 answers
+that ended while the load ran, per second of it; the drain after it apart), TTFT p50/p99 of accepted requests,
 rejection latency p99 and whether each carried Retry-After, status counts, and a timeline (offered
 vs accepted vs answered per 5 s, TTFT p50/p99). Then a fairness phase: two tenants over capacity,
 one sending 10x the other's concurrency; the light tenant's success rate. Gauges must be back to 0.
@@ -91,6 +91,7 @@ async def client_loop(
             "messages": [{"role": "user", "content": rng.choice(texts)}],
             "max_tokens": MAX_TOKENS,
             "stream": True,
+            "stream_options": {"include_usage": True},
             "temperature": 0,
         }
         rec: dict[str, Any] = {"t": time.monotonic(), "tenant": tenant, "status": None, "tokens": 0}
@@ -123,8 +124,13 @@ async def client_loop(
                         if choice.get("delta", {}).get("content"):
                             rec.setdefault("ttft", time.monotonic() - rec["t"])
                             rec["tokens"] += 1
+                            rec["deltas"] = rec.get("deltas", 0) + 1
                         if choice.get("finish_reason"):
                             finished = True
+                    if chunk.get("usage"):
+                        # One delta carries every token of an engine step (several when
+                        # speculation accepts them): count the tokens, not the deltas.
+                        rec["tokens"] = chunk["usage"]["completion_tokens"]
                 rec["complete"] = finished
                 rec["end"] = time.monotonic()
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -193,6 +199,9 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
         # still queued) is reported apart: its length is how deep the queue was at the end.
         "goodput_tok_s": round(sum(r["tokens"] for r in ok if r["end"] <= started + seconds) / seconds, 2),
         "goodput_with_drain_tok_s": round(sum(r["tokens"] for r in ok) / max(elapsed, 1e-9), 2),
+        "tokens_per_delta": round(
+            sum(r["tokens"] for r in ok) / max(1, sum(r.get("deltas", 0) for r in ok)), 2
+        ),
         "ttft_p50_s": round(percentile(ttft, 0.5), 3) if ttft else None,
         "ttft_p99_s": round(percentile(ttft, 0.99), 3) if ttft else None,
         "rejection_p99_ms": round(percentile(rej_lat, 0.99) * 1000, 1) if rej_lat else None,
