@@ -318,10 +318,10 @@ class Scheduler:
             and not batch.preempted_for_blocks
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self._next_waiting(running)
-            if lighter_than is not None and running[seq.caller] >= lighter_than:
+            seq = self._next_waiting(running, only)
+            if seq is None:
                 break
-            if only is not None and seq.caller not in only:
+            if lighter_than is not None and running[seq.caller] >= lighter_than:
                 break
             if seq.is_finished:  # aborted while waiting
                 self.waiting.remove(seq)
@@ -340,14 +340,17 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _next_waiting(self, running: Counter[str]) -> Sequence:
+    def _next_waiting(self, running: Counter[str], only: set[str] | None = None) -> Sequence | None:
         """Fair queuing between callers: the waiting sequence of the caller with the fewest
         running sequences goes next; within one caller, queue order (its preempted sequences,
         then its arrivals). A caller's own requests therefore never overtake each other, so the
-        wait admission predicted for one is not stretched by the same caller's later arrivals."""
-        best = self.waiting[0]
+        wait admission predicted for one is not stretched by the same caller's later arrivals.
+        ``only``: among these callers' (``None`` when none of theirs waits)."""
+        best: Sequence | None = None
         for seq in self.waiting:
-            if running[seq.caller] < running[best.caller]:
+            if only is not None and seq.caller not in only:
+                continue
+            if best is None or running[seq.caller] < running[best.caller]:
                 best = seq
         return best
 

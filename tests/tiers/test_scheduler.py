@@ -419,3 +419,19 @@ def test_while_a_protected_prompt_is_pending_only_decodes_and_protected_prompts_
     assert not sched.has_protected_prefill()  # its prompt is done: nothing to defer for
     batch = sched.schedule(defer_unprotected_prompts=False)
     assert batch is not None and long in batch.seqs and queued in batch.seqs
+
+
+def test_a_deferred_step_admits_the_protected_caller_even_when_another_runs_fewer() -> None:
+    """Admission under deferral looks only at protected callers' requests: the flood's next
+    request (its caller running none here, so first in fair order) must not block them."""
+    sched = make(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)  # share: 4 each
+    running_light = seq(3, caller="light")
+    sched.add(running_light)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    flood = queue(sched, "heavy", 5, start=100)
+    light = seq(3, start=900, caller="light")
+    sched.add(light)
+    assert sched.protected_callers() == {"light"}
+    batch = sched.schedule(defer_unprotected_prompts=True)
+    assert batch is not None and batch.admitted == [light]
+    assert all(s in sched.waiting for s in flood)
