@@ -13,12 +13,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
-
 from router.admission import FairShare, client_deadline_s, rejection, tier_pressures
-from router.backends import LocalTier, RemoteBackend, TierSet
+from router.backends import RemoteBackend, TierSet
 from router.calls import CachedAnswer, CallContext, Completion, Generation, Routed
-from router.errors import BadRequestError, OverloadedError, RateLimitError, UnavailableError
+from router.errors import BadRequestError, RateLimitError, UnavailableError
+from router.local import local_stream, system_fingerprint
 from router.policy.decide import Decision, RouteRequest, decide
 from router.responses import RETRY_AFTER_S, InFlight, ResponseWriter
 from router.schemas import (
@@ -26,17 +25,14 @@ from router.schemas import (
     CompletionRequest,
     completion_id,
     now,
-    stop_list,
     validate_chat,
     validate_completion,
 )
 from router.session import SessionMemory, prior_key, record_key
 from router.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.sse import replay
-from router.structured import chat_messages, native_prompt_ids, output_spec
-from tiers.engine import EngineFullError
+from router.structured import chat_messages, output_spec
 from tiers.output import StepOutput
-from tiers.sequence import SamplingParams
 
 if TYPE_CHECKING:
     from classifier import ComplexityClassifier
@@ -352,7 +348,7 @@ class RouterService:
             source = [self._remote_stream(backend, gen)]
             prompt_tokens_hint = routed.prompt_tokens
         else:
-            source, prompt_tokens_hint = self._local_stream(backend, gen)
+            source, prompt_tokens_hint = local_stream(backend, gen)
         # Counted against the caller's share of the tier until the answer ends (router.admission).
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0])
         if policy.shadow.preempt:
@@ -459,7 +455,7 @@ class RouterService:
             load = backend.engine.load()
 
             def stream() -> AsyncIterator[StepOutput]:
-                return self._local_stream(backend, shadow_gen)[0][0]
+                return local_stream(backend, shadow_gen)[0][0]
 
         row = shadow_row(rid, gen, d, ctx.tenant, answer, record)
         self.shadow.launch(cfg, tier, load, stream, row, record)
@@ -476,123 +472,6 @@ class RouterService:
         if gen.stream:
             return Completion(headers, stream=replay(gen.kind, body, gen.include_usage))
         return Completion(headers, body=body)
-
-    def _sampling(self, backend: LocalTier, gen: Generation, num_prompt: int) -> SamplingParams:
-        req = gen.request
-        defaults = backend.cfg.defaults
-        if isinstance(req, ChatCompletionRequest):
-            requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            param = "max_completion_tokens"
-        else:
-            requested = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's completions default
-            param = "max_tokens"
-        max_tokens = backend.clamp_max_tokens(num_prompt, requested, param)
-        eos_free = bool(req.ignore_eos)
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=defaults.temperature if req.temperature is None else req.temperature,
-            top_p=defaults.top_p if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            seed=req.seed,
-            stop=stop_list(req.stop),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=req.repetition_penalty or 1.0,
-            ignore_eos=eos_free,
-            min_p=req.min_p or 0.0,
-            logit_bias=self._logit_bias(backend, req.logit_bias),
-            logprobs=self._logprobs(gen),
-        )
-
-    @staticmethod
-    def _logit_bias(backend: LocalTier, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        vocab = len(backend.tokenizer)
-        pairs = tuple((int(k), float(v)) for k, v in (bias or {}).items())
-        for token, _ in pairs:
-            if token >= vocab:
-                raise BadRequestError(
-                    f"'logit_bias' names token {token}; tier '{backend.name}' has {vocab} tokens.",
-                    param="logit_bias",
-                )
-        return pairs
-
-    @staticmethod
-    def _logprobs(gen: Generation) -> int | None:
-        spec = gen.output
-        if spec is None:
-            return None
-        if spec.best_of > spec.n:  # choices are ranked by their logprobs
-            return spec.logprobs or 0
-        return spec.logprobs
-
-    def _choice_params(
-        self, backend: LocalTier, gen: Generation, base: SamplingParams
-    ) -> list[SamplingParams]:
-        """One ``SamplingParams`` per generated choice: each its own grammar matcher, and with a
-        ``seed``, its own seed (choice i uses seed + i), so choices differ but replay exactly."""
-        import dataclasses
-
-        from tiers.grammar import GrammarError, compiler_for
-
-        spec = gen.output
-        count = max(spec.n, spec.best_of) if spec is not None else 1
-        params = []
-        for i in range(count):
-            constraint = None
-            if spec is not None and spec.grammar is not None:
-                try:
-                    constraint = compiler_for(backend.tokenizer).constraint(spec.grammar)
-                except GrammarError as exc:
-                    raise BadRequestError(
-                        f"The {spec.grammar_param} schema cannot be enforced: {exc}",
-                        param=spec.grammar_param,
-                        code="invalid_schema",
-                    ) from exc
-            seed = base.seed + i if base.seed is not None and i else base.seed
-            params.append(dataclasses.replace(base, constraint=constraint, seed=seed))
-        return params
-
-    def _local_stream(
-        self, backend: LocalTier, gen: Generation
-    ) -> tuple[list[AsyncIterator[StepOutput]], int]:
-        from router.logprobs import token_texts
-
-        spec = gen.output
-        try:
-            native = None
-            if spec is not None and isinstance(gen.request, ChatCompletionRequest):
-                native = native_prompt_ids(backend.tokenizer, gen.request, spec)
-            ids = native if native is not None else backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
-        except TemplateError as exc:  # e.g. a template that demands alternating roles
-            raise BadRequestError(
-                f"The messages do not fit the chat template of tier '{backend.name}': {exc}",
-                param="messages",
-                code="invalid_messages",
-            ) from exc
-        params = self._choice_params(backend, gen, self._sampling(backend, gen, len(ids)))
-        if spec is not None:
-            spec.token_texts = token_texts(backend.tokenizer)
-            spec.system_fingerprint = system_fingerprint(backend.name, backend.key)
-        # The tenant names the prefix-cache partition: one tenant's prompts never warm (or time)
-        # another's cached KV.
-        salt = (gen.ctx.tenant or "") if gen.ctx is not None else ""
-        # Fair sharing of batch slots between callers (tiers/scheduler.py): a flood cannot starve
-        # a trickle, and each caller's requests keep their order.
-        caller = (gen.ctx.principal or "") if gen.ctx is not None else ""
-        try:
-            if len(params) == 1:
-                handles = [backend.engine.submit(ids, params[0], cache_salt=salt, caller=caller)]
-            else:
-                handles = backend.engine.submit_n(ids, params, cache_salt=salt, caller=caller)
-        except EngineFullError as exc:
-            raise OverloadedError(
-                f"Tier '{backend.name}' is at capacity; retry shortly.", retry_after=RETRY_AFTER_S
-            ) from exc
-        except ValueError as exc:
-            raise BadRequestError(
-                str(exc), param="messages" if gen.kind == "chat" else "prompt", code="context_length_exceeded"
-            ) from exc
-        return [h.__aiter__() for h in handles], len(ids)
 
     def _remote_stream(self, backend: RemoteBackend, gen: Generation) -> AsyncIterator[StepOutput]:
         if gen.output is not None:
@@ -633,14 +512,6 @@ def _request_signals(
     elif isinstance(request, CompletionRequest):
         signals["logprobs"] = request.logprobs is not None
     return signals
-
-
-def system_fingerprint(tier: str, key: Any) -> str:
-    """OpenAI's ``system_fingerprint``: changes exactly when the serving configuration of the tier
-    (model, quantization, engine settings) does, so clients can tell answers of different setups."""
-    import hashlib
-
-    return "fp_" + hashlib.sha256(repr((tier, key)).encode()).hexdigest()[:10]
 
 
 def _struct_to_dict(obj: Any) -> dict[str, Any]:
