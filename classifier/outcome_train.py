@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,24 +215,11 @@ def _append_tier_head(model: Any) -> Any:
 def export_outcome_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -> Any:
     """One graph: ``text`` [N, 2] -> ``probabilities`` [N, 3] (small, medium, large)."""
     import onnx
-    from skl2onnx import convert_sklearn
-    from skl2onnx.common.data_types import StringTensorType
 
-    from classifier.features import register_converters
     from classifier.graph import optimize
-    from classifier.train import IR_VERSION, TARGET_OPSET
+    from classifier.train import IR_VERSION, convert_pipeline
 
-    register_converters()
-    clf = pipeline.named_steps["classifier"]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The conversion of CountVectorizer may not work")
-        model = convert_sklearn(
-            pipeline,
-            name="tiered-router-routing-score",
-            initial_types=[("text", StringTensorType([None, 2]))],
-            options={id(clf): {"zipmap": False}},
-            target_opset=TARGET_OPSET,
-        )
+    model = convert_pipeline(pipeline, "tiered-router-routing-score")
     _append_tier_head(model)
     # The label output is gone: drop the nodes that only fed it.
     _prune(model)

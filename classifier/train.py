@@ -245,27 +245,35 @@ def predict_proba(pipeline: Any, prompts: Sequence[str]) -> np.ndarray:
     return np.asarray(probs)[:, order]
 
 
-def export_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -> Any:
-    """Convert the fitted pipeline into one ONNX graph: ``text`` [N,2] -> ``probabilities`` [N,3]."""
-    import onnx
+def convert_pipeline(pipeline: Any, name: str) -> Any:
+    """skl2onnx's graph of a fitted features + classifier pipeline: ``text`` [N,2] in, the
+    classifier's label and (no zipmap) probabilities out."""
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import StringTensorType
 
     from classifier.features import register_converters
-    from classifier.graph import optimize
 
     register_converters()
     clf = pipeline.named_steps["classifier"]
     with warnings.catch_warnings():
         # skl2onnx warns that char n-gram conversion "may not work"; train() checks that it does.
         warnings.filterwarnings("ignore", message="The conversion of CountVectorizer may not work")
-        model = convert_sklearn(
+        return convert_sklearn(
             pipeline,
-            name="tiered-router-complexity",
+            name=name,
             initial_types=[("text", StringTensorType([None, 2]))],
             options={id(clf): {"zipmap": False}},
             target_opset=TARGET_OPSET,
         )
+
+
+def export_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -> Any:
+    """Convert the fitted pipeline into one ONNX graph: ``text`` [N,2] -> ``probabilities`` [N,3]."""
+    import onnx
+
+    from classifier.graph import optimize
+
+    model = convert_pipeline(pipeline, "tiered-router-complexity")
     optimize(model)
     model.ir_version = IR_VERSION
     model.producer_name = "tiered-router"
