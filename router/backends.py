@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError, PolicyError, PolicyIssue
+from router.policy.schema import NGRAM
 from tiers.engine import Engine, EngineObserver
 from tiers.output import StepOutput
 from tiers.remote import RemoteTier
@@ -200,6 +201,7 @@ def build_tiers(
     from tiers.model_runner import ModelRunner, kv_bytes_per_token
     from tiers.plan import device_memory, kv_budget_tokens
     from tiers.scheduler import SchedulerConfig
+    from tiers.speculative import NgramProposer
 
     started = time.monotonic()
     models: dict[tuple[Any, ...], LoadedModel] = {}
@@ -241,7 +243,7 @@ def build_tiers(
             old is not None
             and old.key == engine_key(cfg)
             and (
-                cfg.draft is None
+                cfg.draft in (None, NGRAM)
                 or (
                     reuse is not None
                     and reuse.tiers.get(cfg.draft) is not None
@@ -268,7 +270,8 @@ def build_tiers(
             backends[name] = RemoteBackend(name, cfg, client)
             continue
         loaded = models[_model_key(cfg)]
-        if cfg.draft is not None:
+        if cfg.draft not in (None, NGRAM):
+            assert cfg.draft is not None
             _check_draft_compatible(
                 policy.source, name, cfg.draft, loaded, models[_model_key(policy.tiers[cfg.draft])]
             )
@@ -307,7 +310,15 @@ def build_tiers(
         )
 
         def make_engine(name: str = name, cfg: TierConfig = cfg, sched: SchedulerConfig = sched) -> Engine:
-            draft = runners[cfg.draft] if cfg.draft is not None and cfg.speculative_tokens > 0 else None
+            draft: ModelRunner | NgramProposer | None = None
+            if cfg.draft == NGRAM and cfg.speculative_tokens > 0:
+                own = runners[name]
+                # Bookkeeping blocks for the scheduler's draft tables: enough for every sequence
+                # at full length plus its lookahead, so the lookup never runs short of them.
+                per_seq = -(-(cfg.max_model_len + cfg.speculative_tokens) // own.block_size)
+                draft = NgramProposer(max(own.blocks.num_blocks, cfg.max_num_seqs * per_seq), own.block_size)
+            elif cfg.draft is not None and cfg.speculative_tokens > 0:
+                draft = runners[cfg.draft]
             engine = Engine(
                 name,
                 runners[name],

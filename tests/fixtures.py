@@ -138,6 +138,7 @@ def make_engine(
     draft_quantization: str | None = None,
     draft_dir: Path | None = None,
     speculative_tokens: int = 3,
+    ngram: bool = False,
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     max_num_batched_tokens: int = 128,
@@ -151,12 +152,13 @@ def make_engine(
     """An engine over the tiny model, built and attached on ``worker`` (a DeviceWorker).
 
     ``draft_quantization`` (or ``draft_dir``, another tiny model) gives it a draft runner with
-    its own pool, as a tier below would have."""
+    its own pool, as a tier below would have; ``ngram`` drafts by n-gram lookup instead."""
     from tiers.device import DeviceWorker
     from tiers.engine import Engine
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
     from tiers.scheduler import SchedulerConfig
+    from tiers.speculative import NgramProposer
 
     assert isinstance(worker, DeviceWorker)
 
@@ -173,8 +175,10 @@ def make_engine(
 
     def build() -> Engine:
         runner = runner_for(model_dir, quantization)
-        draft = None
-        if draft_quantization is not None or draft_dir is not None:
+        draft: ModelRunner | NgramProposer | None = None
+        if ngram:
+            draft = NgramProposer(2 * runner.blocks.num_blocks, block_size)
+        elif draft_quantization is not None or draft_dir is not None:
             draft = runner_for(draft_dir or model_dir, draft_quantization or "none")
         engine = Engine(
             name,

@@ -22,7 +22,7 @@ import yaml
 
 from router.errors import PolicyError, PolicyIssue
 from router.policy import schema
-from router.policy.schema import SUPPORTED_VERSIONS, Condition, Policy
+from router.policy.schema import NGRAM, SUPPORTED_VERSIONS, Condition, Policy
 
 __all__ = ["load_policy", "parse_policy"]
 
@@ -226,6 +226,8 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
         _check_name(ctx, p, name, "tier name")
         if name == "auto":
             ctx.error(p, "'auto' is reserved for routed requests")
+        if name == NGRAM:
+            ctx.error(p, f"'{NGRAM}' is reserved: `draft: {NGRAM}` drafts by n-gram lookup")
         for fname, minimum in (
             ("max_num_seqs", 1),
             ("max_queue", 0),
@@ -267,7 +269,10 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             ctx.error((*p, "defaults", "temperature"), "must be in [0, 2]")
         if not 0 < d.top_p <= 1:
             ctx.error((*p, "defaults", "top_p"), "must be in (0, 1]")
-        if tier.draft is not None:
+        if tier.draft == NGRAM:
+            if tier.is_remote:
+                ctx.error((*p, "draft"), "a remote tier cannot use a draft")
+        elif tier.draft is not None:
             if tier.draft not in tiers:
                 ctx.error(
                     (*p, "draft"),

@@ -41,6 +41,10 @@ class GenerationDefaults:
     top_p: float = 1.0
 
 
+NGRAM = "ngram"
+"""``draft: ngram``: draft by n-gram lookup (``tiers.speculative.NgramProposer``), not a tier."""
+
+
 @dataclass(slots=True)
 class TierConfig:
     model: str
@@ -65,7 +69,8 @@ class TierConfig:
     max_num_batched_tokens: int = 512
     """Prefill chunk budget per step: long prompts are split so decodes keep flowing."""
     draft: str | None = None
-    """Tier whose model drafts speculative tokens for this one (usually the tier below); null = off."""
+    """Tier whose model drafts speculative tokens for this one (usually the tier below); ``ngram``
+    drafts by n-gram lookup in the sequence's own prompt and output (no model, no KV); null = off."""
     speculative_tokens: int = 4
     """Most tokens drafted per step; the engine picks 0..this each step by measured cost."""
     kv_cache_memory: str | None = None

@@ -61,3 +61,32 @@ routing:
     finally:
         for engine in tiers.engines():
             worker.remove_engine(engine)
+
+
+def test_an_ngram_draft_builds_a_lookup_drafter_with_its_own_bookkeeping(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    from tiers.speculative import NgramProposer
+
+    policy = parse_policy(f"""
+version: 1
+tiers:
+  small: {{model: {tiny_model_dir}, draft: ngram, speculative_tokens: 3, max_num_seqs: 2}}
+  plain: {{model: {tiny_model_dir}, max_num_seqs: 2}}
+routing:
+  rules: [{{name: d, tier: small}}]
+""")
+    tiers = build_tiers(policy, worker)
+    try:
+        small, plain = tiers.get("small"), tiers.get("plain")
+        assert isinstance(small, LocalTier) and isinstance(plain, LocalTier)
+        draft = small.engine.draft
+        assert isinstance(draft, NgramProposer)
+        # No KV pool is taken from any tier: the scheduler's draft tables are bookkeeping only.
+        assert small.engine.scheduler.draft_blocks is draft.blocks
+        assert draft.blocks is not small.engine.runner.blocks
+        assert small.engine.spec.max_k == 3 and (1, 4) in small.engine.spec.target_cost
+        assert plain.engine.draft is None
+    finally:
+        for engine in tiers.engines():
+            worker.remove_engine(engine)

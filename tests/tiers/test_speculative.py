@@ -288,3 +288,159 @@ async def test_draft_prefill_is_deferred_past_the_first_token(plain: Engine, spe
     assert spec.num_deferred_draft_feeds >= deferred + 3
     assert [g[0] for g in got] == [w[0] for w in want]
     assert all(g[3].num_draft_tokens > 0 and g[3].num_accepted_tokens > 0 for g in got)
+
+
+# -- n-gram lookup drafting (``draft: ngram``) ------------------------------------------------
+
+
+def _latest_match(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The reference lookup, by brute force: longest n first, latest earlier occurrence."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_scan() -> None:
+    """The incremental index against a full rescan at every length, across rollbacks (a failed
+    step drops tokens, and the engine forgets the index) and a small alphabet, so matches of every
+    n occur."""
+    import random
+
+    from tiers.speculative import NgramProposer
+
+    rng = random.Random(3)
+    ngram = NgramProposer(16, 4, min_n=1, max_n=3)
+    proposed = 0
+    for seq_id in range(20):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 8))]
+        for _ in range(60):
+            k = rng.randrange(0, 5)
+            got = ngram.propose(seq_id, tokens, k)
+            assert got == _latest_match(tokens, k, 1, 3), (tokens, k)
+            proposed += bool(got)
+            if rng.random() < 0.1 and len(tokens) > 3:
+                del tokens[-rng.randrange(1, 3) :]
+                ngram.forget(seq_id)  # what the engine does when it rolls a failed step back
+            else:
+                tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        ngram.forget(seq_id)
+    assert proposed > 100
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(worker: DeviceWorker, tiny_model_dir: Path) -> Engine:
+    eng = make_engine(worker, tiny_model_dir, ngram=True, speculative_tokens=4, name="ngram")
+    assert isinstance(eng, Engine)
+    return eng
+
+
+async def test_greedy_with_ngram_drafts_equals_hfs_greedy_decoding(
+    ngram_engine: Engine, tiny_model_dir: Path
+) -> None:
+    """Greedy output with n-gram drafts (k pinned, so every lookup that matches is verified), in one
+    batch of mixed lengths, is token for token plain greedy decoding with HF's model; drafts were proposed
+    and some accepted and some rejected (the tiny model's greedy output falls into loops now and
+    then), so both paths of the verification ran."""
+    from transformers import AutoModelForCausalLM
+
+    ps = prompts(16, seed=5)
+    lengths = [24 + 4 * (i % 5) for i in range(16)]
+    ngram_engine.spec.fixed_k = 4
+    try:
+        got = await asyncio.gather(
+            *(collect(ngram_engine, p, greedy(n)) for p, n in zip(ps, lengths, strict=True))
+        )
+    finally:
+        ngram_engine.spec.fixed_k = None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for p, n, g in zip(ps, lengths, got, strict=True):
+        seq = list(p)
+        with torch.no_grad():  # plain greedy decoding, EOS a token like any other (ignore_eos)
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert g[0] == seq[len(p) :]
+    drafted = sum(g[3].num_draft_tokens for g in got)
+    accepted = sum(g[3].num_accepted_tokens for g in got)
+    assert 0 < accepted < drafted
+
+
+async def test_sampled_output_with_ngram_drafts_follows_the_targets_exact_law(
+    ngram_engine: Engine, tiny_model_dir: Path
+) -> None:
+    """A sampled row verifies a lookup's proposal with a one-hot draft law: the second output token
+    (decided by a speculative step whenever the first one continues the prompt's repeated phrase)
+    follows the target's law, computed independently with HF's model."""
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    def top4(seq: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1]
+        kth = torch.topk(logits, 4).values[-1]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    # A prompt that starts with (its last token, a likely next token t, a likely token w after t):
+    # whenever the first output token is t, the lookup proposes w, which the target sometimes takes.
+    def likely(ids: list[int]) -> bool:
+        return float(top4(ids)[ids[1]]) > 0.1 and 0.05 < float(top4([*ids, ids[1]])[ids[2]]) < 0.95
+
+    ids: list[int] = []
+    for seed in range(17, 57):
+        base = prompts(1, seed=seed)[0]
+        ids = base
+        for _ in range(6):
+            t = int(top4(ids).argmax())
+            ids = [base[-1], t, int(top4([*ids, t]).argmax()), *base]
+            if likely(ids):
+                break
+        if likely(ids):
+            break
+    assert likely(ids)
+    first = top4(ids)
+    law = torch.zeros_like(first)
+    for t1 in torch.nonzero(first).flatten().tolist():
+        law += first[t1] * top4([*ids, t1])
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)  # 2 left: k = 1
+    counts: Counter[int] = Counter()
+    drafted = accepted = 0
+    n = 600
+    ngram_engine.spec.fixed_k = 2
+    try:
+        for start in range(0, n, 50):
+            outs = await asyncio.gather(
+                *(collect(ngram_engine, ids, params) for _ in range(start, start + 50))
+            )
+            counts.update(o[0][1] for o in outs)
+            drafted += sum(o[3].num_draft_tokens for o in outs)
+            accepted += sum(o[3].num_accepted_tokens for o in outs)
+    finally:
+        ngram_engine.spec.fixed_k = None
+    assert drafted > 0 and 0 < accepted < drafted  # lookups ran, accepted and rejected
+    support = torch.nonzero(law > 0).flatten().tolist()
+    assert set(counts) <= set(support)
+    observed = [counts[t] for t in support]
+    expected = [float(law[t]) * n for t in support]
+    scale = sum(observed) / sum(expected)
+    assert chisquare(observed, [e * scale for e in expected]).pvalue > 1e-3, (observed, expected)
+
+
+def test_ngram_drafting_turns_itself_off_where_verifying_does_not_pay(ngram_engine: Engine) -> None:
+    """The controller prices a lookup's proposal by the target's measured cost over k + 1 tokens
+    (profiled at warm-up for every k): with a cost linear in tokens (a compute-bound batch) no k
+    pays even at 80% acceptance; with the extra tokens nearly free at batch 1, it drafts."""
+    c = SpecController(max_k=4, acceptance=0.8)
+    for t in range(1, 6):
+        c.record_target(16, t, 0.040 * t)
+        c.record_target(1, t, 0.012 + 0.001 * (t - 1))
+        c.record_draft(16, 1, 1e-5)
+        c.record_draft(1, 1, 1e-6)
+    assert c.choose_k(16) == 0
+    assert c.choose_k(1) > 0
+    assert ngram_engine.spec.target_cost.keys() >= {(1, t) for t in range(1, 6)}

@@ -139,3 +139,12 @@ def test_not_a_mapping() -> None:
 def test_missing_file_is_a_policy_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read"):
         load_policy(tmp_path / "nope.yaml")
+
+
+def test_ngram_draft_is_valid_and_the_name_is_reserved() -> None:
+    """``draft: ngram`` drafts by n-gram lookup (no tier of that name needed); a tier may not be
+    named ``ngram``, so the value never means two things."""
+    p = parse_policy(BASE.replace("quantization: int4}", "quantization: int4, draft: ngram}"))
+    assert p.tiers["small"].draft == "ngram"
+    found = issues(BASE.replace("  small:", "  ngram:").replace("tier: small}", "tier: ngram}"))
+    assert any(path == "tiers.ngram" and "reserved" in msg for path, msg, _ in found), found
