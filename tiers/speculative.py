@@ -131,6 +131,19 @@ class SpecController:
         tokens = (1.0 - a ** (k + 1)) / (1.0 - a)
         return tokens / (target + k * draft)
 
+    def pays(self, batch_size: int) -> bool:
+        """Whether some k > 0 clears the margin over plain decoding at ``batch_size`` (no
+        exploration, no state change); True while unprofiled or pinned."""
+        if self.max_k <= 0 or self.fixed_k == 0:
+            return False
+        if self.fixed_k is not None:
+            return True
+        rates = [self.expected_rate(k, batch_size) for k in range(self.max_k + 1)]
+        known = [r for r in rates if r is not None]
+        if len(known) < len(rates):
+            return True
+        return max(known[1:]) >= SPEC_MARGIN * known[0]
+
     def choose_k(self, batch_size: int, draft_lag: int = 1) -> int:
         """``draft_lag``: most tokens any row's draft must catch up on before drafting."""
         if self.max_k <= 0:

@@ -14,7 +14,7 @@ from tests.tiers.test_engine import collect, greedy, prompts
 from tiers.device import DeviceWorker
 from tiers.engine import Engine
 from tiers.sequence import SamplingParams
-from tiers.speculative import SpecController, accept_batch
+from tiers.speculative import NgramProposer, SpecController, accept_batch
 
 
 @pytest.fixture(scope="module")
@@ -444,3 +444,37 @@ def test_ngram_drafting_turns_itself_off_where_verifying_does_not_pay(ngram_engi
     assert c.choose_k(16) == 0
     assert c.choose_k(1) > 0
     assert ngram_engine.spec.target_cost.keys() >= {(1, t) for t in range(1, 6)}
+
+
+async def test_the_draft_is_not_fed_while_speculation_does_not_pay(plain: Engine, spec: Engine) -> None:
+    """With speculation off (k pinned to 0) a long prompt's chunks never reach the draft (it
+    used to prefill every prompt it would never draft for); once speculation is back on, the
+    draft catches up on those tokens and drafts, and the output is still plain greedy's."""
+    import random
+
+    draft = spec.draft
+    assert draft is not None and not isinstance(draft, NgramProposer)
+    fed: list[int] = []
+    real_forward = draft.forward
+
+    def counting(rows: list) -> list:  # type: ignore[type-arg]
+        fed.append(sum(len(r.token_ids) for r in rows))
+        return real_forward(rows)
+
+    rng = random.Random(31)
+    ids = [rng.randrange(3, 380) for _ in range(200)]  # two chunks of the 128-token budget
+    want = await collect(plain, ids, greedy(24))
+    draft.forward = counting  # type: ignore[method-assign]
+    try:
+        spec.spec.fixed_k = 0
+        off = await collect(spec, ids, greedy(24))
+        assert fed == [] and off[3].num_draft_tokens == 0
+        assert off[0] == want[0]
+        spec.spec.fixed_k = 3
+        on = await collect(spec, [*ids[:150], 7, *ids[150:]], greedy(24))
+        on_plain = await collect(plain, [*ids[:150], 7, *ids[150:]], greedy(24))
+    finally:
+        draft.forward = real_forward  # type: ignore[method-assign]
+        spec.spec.fixed_k = None
+    assert sum(fed) >= 200 and on[3].num_draft_tokens > 0 and on[3].num_accepted_tokens > 0
+    assert on[0] == on_plain[0]
