@@ -319,8 +319,11 @@ class Engine:
         batch = None
         started = time.perf_counter()
         try:
-            decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
-            self._k = self.spec.choose_k(max(1, decoding)) if self.draft is not None else 0
+            # k for the batch these rows decode in: a wave of new prompts (none decoding yet)
+            # decodes as a full batch next step, and its draft feed is decided by this k.
+            sched = self.scheduler
+            batch_size = max(1, min(self.config.max_num_seqs, sched.num_running + sched.num_waiting))
+            self._k = self.spec.choose_k(batch_size) if self.draft is not None else 0
             batch = self.scheduler.schedule(defer_unprotected_prompts=defer_unprotected_prompts)
             if batch is None:
                 return False
@@ -437,12 +440,11 @@ class Engine:
         if isinstance(self.draft, NgramProposer):
             return self._draft_ngram(batch, self.draft)
         out: list[_Draft | None] = [None] * batch.num_seqs
-        if not any(batch.num_spec_tokens) and not self.spec.pays(max(1, len(self.scheduler.running))):
-            # No row drafts now, and at the batch these rows decode in speculation does not pay:
-            # feeding the draft (new prompts, above all) would be work for nothing while it stays
-            # off; the scheduler catches the draft up in chunks when it is back on. Measured:
-            # large at 16 streams spent ~2 s per wave of 16 new prompts in the int4 draft's
-            # prefill while never drafting (156 vs 209 tok/s).
+        if self._k == 0 and not any(batch.num_spec_tokens):
+            # Speculation is off this step: feeding the draft (new prompts, above all) would be
+            # work for nothing while it stays off; the scheduler catches the draft up in chunks
+            # when it is back on. Measured: large at 16 streams spent ~2 s per wave of 16 new
+            # prompts in the int4 draft's prefill while never drafting (156 vs 209 tok/s).
             return out
         seqs = batch.seqs
         # A prompt's last chunk gives the first token from the target alone: the draft's feed of

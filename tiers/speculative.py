@@ -65,6 +65,8 @@ def accept_batch(
 
 SPEC_MARGIN = 1.1
 """Keep speculating only while the model predicts at least this much more throughput than plain decoding."""
+EXPLORE_STEPS = 4
+"""Most steps one exploration takes (until a drafting round reports its acceptance)."""
 SPEC_RESUME_MARGIN = 1.25
 """Start (or resume) speculating only above this: the draft first catches up on its backlog."""
 
@@ -76,9 +78,14 @@ class SpecController:
     Expected tokens from one round with acceptance rate a: ``(1 - a**(k+1)) / (1 - a)``.
     Its cost: k draft forwards plus one target forward over k+1 tokens, at this batch size.
     Costs are moving averages of measured step times keyed by (batch size, tokens); acceptance
-    is a moving average of accepted/drafted. Because the choice compares against k = 0 with costs
-    measured on this machine, speculation switches itself off where it would not pay (large
-    batches on a CPU, where a step is compute-bound and k+1 tokens cost k+1 times one).
+    is a moving average of accepted/drafted. A k + 1-token step and a draft forward are priced
+    as ratios to the plain step at the same batch size, each ratio taken when it was measured:
+    the plain step is measured on every plain step, so its cost follows the contexts as they
+    grow, while a k not in use keeps its last (or warm-up, 32-token context) figure - which, as
+    an absolute time, made speculation look cheaper the longer it stayed off. Because the choice
+    compares against k = 0 with costs measured on this machine, speculation switches itself off
+    where it would not pay (large batches on a CPU, where a step is compute-bound and k+1 tokens
+    cost k+1 times one).
     """
 
     max_k: int
@@ -88,7 +95,15 @@ class SpecController:
     """After this many k = 0 steps, try the best k > 0 once to refresh the acceptance estimate."""
     target_cost: dict[tuple[int, int], float] = field(default_factory=dict)
     draft_cost: dict[tuple[int, int], float] = field(default_factory=dict)
+    target_ratio: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(batch, tokens > 1) -> its cost over the plain step's (batch, 1) at the time."""
+    draft_ratio: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(batch, 1) -> a draft forward's cost over the target's plain step at the time."""
     steps_without_spec: int = 0
+    exploring: int = 0
+    """Steps an exploration may still take before a drafting round reports its acceptance: its
+    first step often only catches the idle draft up (no row drafts yet), and an exploration that
+    ended there measured nothing, so plain decoding locked itself in."""
     fixed_k: int | None = None
     """Pin k (benchmarks and tests); None lets the cost model choose."""
 
@@ -122,27 +137,33 @@ class SpecController:
             per_batch.append((b, self._interp(pts, tokens)))
         return self._interp(per_batch, batch)
 
+    def _plain(self, batch_size: int) -> float | None:
+        plain = {key: c for key, c in self.target_cost.items() if key[1] == 1}
+        return self._cost(plain, batch_size, 1)
+
+    def _target(self, batch_size: int, tokens: int) -> float | None:
+        plain = self._plain(batch_size)
+        if tokens == 1 or plain is None or not self.target_ratio:
+            return plain if tokens == 1 else self._cost(self.target_cost, batch_size, tokens)
+        ratios = {(b, 1): 1.0 for b, t in self.target_cost if t == 1} | self.target_ratio
+        ratio = self._cost(ratios, batch_size, tokens)
+        return None if ratio is None else plain * ratio
+
+    def _draft(self, batch_size: int) -> float | None:
+        plain = self._plain(batch_size)
+        if plain is None or not self.draft_ratio:
+            return self._cost(self.draft_cost, batch_size, 1)
+        ratio = self._cost(self.draft_ratio, batch_size, 1)
+        return None if ratio is None else plain * ratio
+
     def expected_rate(self, k: int, batch_size: int, acceptance: float | None = None) -> float | None:
-        target = self._cost(self.target_cost, batch_size, k + 1)
-        draft = self._cost(self.draft_cost, batch_size, 1) if k else 0.0
+        target = self._target(batch_size, k + 1)
+        draft = self._draft(batch_size) if k else 0.0
         if target is None or draft is None:
             return None
         a = min(self.acceptance if acceptance is None else acceptance, 0.999)
         tokens = (1.0 - a ** (k + 1)) / (1.0 - a)
         return tokens / (target + k * draft)
-
-    def pays(self, batch_size: int) -> bool:
-        """Whether some k > 0 clears the margin over plain decoding at ``batch_size`` (no
-        exploration, no state change); True while unprofiled or pinned."""
-        if self.max_k <= 0 or self.fixed_k == 0:
-            return False
-        if self.fixed_k is not None:
-            return True
-        rates = [self.expected_rate(k, batch_size) for k in range(self.max_k + 1)]
-        known = [r for r in rates if r is not None]
-        if len(known) < len(rates):
-            return True
-        return max(known[1:]) >= SPEC_MARGIN * known[0]
 
     def choose_k(self, batch_size: int, draft_lag: int = 1) -> int:
         """``draft_lag``: most tokens any row's draft must catch up on before drafting."""
@@ -159,6 +180,9 @@ class SpecController:
         margin = SPEC_MARGIN if draft_lag <= 2 else SPEC_RESUME_MARGIN
         if best and (rates[best] or 0.0) < margin * (rates[0] or 0.0):
             best = 0
+        if best == 0 and self.exploring:
+            self.exploring -= 1
+            return max(range(1, self.max_k + 1), key=lambda k: rates[k] or 0.0)
         if best == 0:
             self.steps_without_spec += 1
             # Explore (to refresh the acceptance estimate) only where speculation could win with a
@@ -172,6 +196,7 @@ class SpecController:
                 and draft_lag <= 8
             ):
                 self.steps_without_spec = 0
+                self.exploring = EXPLORE_STEPS - 1
                 return max(range(1, self.max_k + 1), key=lambda k: rates[k] or 0.0)
         else:
             self.steps_without_spec = 0
@@ -179,13 +204,20 @@ class SpecController:
 
     def record_target(self, batch_size: int, tokens: int, seconds: float) -> None:
         self._record(self.target_cost, (batch_size, tokens), seconds)
+        plain = self.target_cost.get((batch_size, 1))
+        if tokens > 1 and plain:
+            self._record(self.target_ratio, (batch_size, tokens), seconds / plain)
 
     def record_draft(self, batch_size: int, tokens: int, seconds: float) -> None:
         self._record(self.draft_cost, (batch_size, tokens), seconds)
+        plain = self.target_cost.get((batch_size, 1))
+        if plain:
+            self._record(self.draft_ratio, (batch_size, tokens), seconds / plain)
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.acceptance += self.ema * (accepted / drafted - self.acceptance)
+            self.exploring = 0
 
     def _record(self, table: dict[tuple[int, int], float], key: tuple[int, int], seconds: float) -> None:
         old = table.get(key)

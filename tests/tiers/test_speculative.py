@@ -14,7 +14,7 @@ from tests.tiers.test_engine import collect, greedy, prompts
 from tiers.device import DeviceWorker
 from tiers.engine import Engine
 from tiers.sequence import SamplingParams
-from tiers.speculative import NgramProposer, SpecController, accept_batch
+from tiers.speculative import EXPLORE_STEPS, NgramProposer, SpecController, accept_batch
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +184,16 @@ def test_controller_explores_after_many_plain_steps() -> None:
     c.record_target(1, 1, 0.05)
     c.record_target(1, 3, 0.06)
     c.record_draft(1, 1, 0.02)
-    ks = [c.choose_k(1) for _ in range(6)]
-    assert ks.count(0) == 4 and max(ks) > 0
+    ks = [c.choose_k(1) for _ in range(3)]
+    assert ks[:2] == [0, 0] and ks[2] > 0
+    # The exploration goes on until a drafting round reports (its first step may only catch the
+    # idle draft up)...
+    assert c.choose_k(1) > 0 and c.choose_k(1) > 0
+    c.record_acceptance(2, 0)
+    assert c.choose_k(1) == 0  # ...and then plain decoding is chosen again.
+    # An exploration in which no row ever drafts ends after EXPLORE_STEPS steps.
+    ks = [c.choose_k(1) for _ in range(1 + EXPLORE_STEPS + 1)]  # the 3rd plain step explores
+    assert ks == [0] + [ks[1]] * EXPLORE_STEPS + [0] and ks[1] > 0
     # ...but not while the draft would first re-read a long backlog.
     assert all(c.choose_k(1, draft_lag=500) == 0 for _ in range(6))
 
@@ -478,3 +486,21 @@ async def test_the_draft_is_not_fed_while_speculation_does_not_pay(plain: Engine
         spec.spec.fixed_k = None
     assert sum(fed) >= 200 and on[3].num_draft_tokens > 0 and on[3].num_accepted_tokens > 0
     assert on[0] == on_plain[0]
+
+
+def test_a_k_not_in_use_is_priced_against_the_plain_steps_current_cost() -> None:
+    """Profiled at a short context, a 2-token step cost 2x a plain one and speculation did not
+    pay. Contexts grow, plain steps (the only ones run) measure 2x more: the 2-token step, never
+    re-measured, is priced at its ratio to today's plain step (it used to keep its old absolute
+    time, which made speculation look 1.7x faster than plain and switched it on)."""
+    c = SpecController(max_k=1, acceptance=0.9)
+    c.record_target(16, 1, 0.050)
+    c.record_target(16, 2, 0.100)
+    c.record_draft(16, 1, 0.010)
+    assert c.choose_k(16) == 0
+    for _ in range(100):
+        c.record_target(16, 1, 0.100)
+    assert c.target_cost[(16, 2)] == pytest.approx(0.100)  # the stale absolute figure
+    rate = c.expected_rate(1, 16)
+    assert rate is not None and rate == pytest.approx(1.9 / (0.200 + 0.020), rel=1e-3)
+    assert all(c.choose_k(16) == 0 for _ in range(10))
