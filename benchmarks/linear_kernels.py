@@ -2,10 +2,12 @@
 
 SmolLM2-135M's projection shapes (fused QKV, fused gate/up, down, and the 49k-row output head),
 each timed as the tiers run them: ``Int4WeightOnlyLinear`` (the small and medium tiers; the packed
-CPU kernel), ``Int8WeightOnlyLinear`` (medium's head), ``OneDnnLinear`` (the large tier's fp32),
-and a plain bf16 ``F.linear`` over the same weights for comparison (on CPUs with AMX oneDNN runs it
-on the tile units). Rows: 1 (one stream decoding), 16 (a full batch decoding) and 80 (a batch with a
-prompt chunk).
+CPU kernel), ``Int8WeightOnlyLinear`` (medium's head), the large tier's fp32 both ways - plain
+``F.linear`` (MKL, repacking the weight on every call) and MKL's packed GEMM over a weight
+packed once (``fp32_packed_gemm``, timed at every row count; ``MklPackedLinear`` uses it at 4-16
+rows) - and a plain bf16 ``F.linear`` over the same weights for comparison (on CPUs with AMX
+oneDNN runs it on the tile units). Rows: 1 (one stream decoding), 4 and 8 (a few streams, or one
+stream verifying drafts), 16 (a full batch decoding) and 80 (a batch with a prompt chunk).
 
 Two settings: ``hot`` calls one weight over and over (it stays in cache); ``model`` cycles through
 30 copies of each per-layer weight, as a 30-layer step does, so each call reads its weight from
@@ -29,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import plot_path, write_json
-from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, OneDnnLinear
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, MklPackedLinear
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
-ROWS = (1, 16, 80)
+ROWS = (1, 4, 8, 16, 80)
 
 
 def _time_us(fn: Callable[[], Any], repeats: int) -> float:
@@ -51,12 +53,19 @@ Call = Callable[[torch.Tensor], Any]
 
 
 def _kernels(out_f: int, in_f: int, copies: int) -> dict[str, list[Call]]:
-    made: dict[str, list[Call]] = {k: [] for k in ("int4_g64", "int8", "fp32_onednn", "bf16_dense")}
+    kinds = ("int4_g64", "int8", "fp32_plain", "fp32_packed_gemm", "bf16_dense")
+    made: dict[str, list[Call]] = {k: [] for k in kinds}
     for _ in range(copies):
         linear = torch.nn.Linear(in_f, out_f, bias=False)
         made["int4_g64"].append(Int4WeightOnlyLinear(linear, 64))
         made["int8"].append(Int8WeightOnlyLinear(linear))
-        made["fp32_onednn"].append(OneDnnLinear(linear))
+        fp32 = linear.weight.detach()
+        made["fp32_plain"].append(lambda v, w=fp32: F.linear(v, w))
+        # The packed kernel at every row count (``MklPackedLinear`` uses it at 4-16 rows only).
+        pk = MklPackedLinear(linear)
+        made["fp32_packed_gemm"].append(
+            lambda v, p=pk: torch.ops.mkl._mkl_linear(v, p.weight_packed, p.weight, None, v.shape[0])
+        )
         dense = linear.weight.detach().to(torch.bfloat16)
         made["bf16_dense"].append(lambda v, w=dense: F.linear(v, w))
     return made
@@ -77,7 +86,7 @@ def run(repeats: int) -> dict[str, Any]:
                     xb = x.to(torch.bfloat16)
                     timings = {}
                     for k, mods in kernels.items():
-                        v = x if k == "fp32_onednn" else xb
+                        v = x if k.startswith("fp32") else xb
 
                         def once(mods: list[Call] = mods, v: torch.Tensor = v) -> None:
                             for m in mods:

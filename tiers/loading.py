@@ -248,11 +248,15 @@ def load_model(
     if quantization != "none":
         quantize_model(hf_model, quantization, group_size=group_size, int4_head=int4_head)
         hf_model.to(torch_dtype)  # type: ignore[arg-type]
-    # fp32 stays on plain nn.Linear (MKL): on torch 2.13 it measured faster than the pre-packed
-    # oneDNN path (``quant.use_onednn_linears``) at every batch size a tier decodes - SmolLM2-135M
-    # fp32 step at batch 1: 42 -> 32 ms, equal at 4 and 16 (benchmarks/results/peer_llamacpp.json).
     if dev.type == "cpu":
         _own_memory(hf_model)
+        if quantization == "none" and torch_dtype == torch.float32:
+            # MKL's packed GEMM at the 4-16 rows a decoding batch or a verify step has; the plain
+            # MKL path elsewhere (``quant.MklPackedLinear`` says what each measured). Pre-packed
+            # oneDNN was tried before and lost at one row (a 42 vs 32 ms step), so it is not used.
+            from tiers.quant import use_packed_fp32_linears
+
+            use_packed_fp32_linears(hf_model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(

@@ -21,11 +21,12 @@ __all__ = [
     "FusedSlice",
     "Int4WeightOnlyLinear",
     "Int8WeightOnlyLinear",
-    "OneDnnLinear",
+    "MklPackedLinear",
     "QuantMethod",
     "fuse_linears",
+    "packed_fp32_supported",
     "quantize_model",
-    "use_onednn_linears",
+    "use_packed_fp32_linears",
 ]
 
 QuantMethod = Literal["none", "int8", "int4"]
@@ -119,27 +120,50 @@ class Int4WeightOnlyLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-class OneDnnLinear(nn.Module):
-    """fp32 linear on the CPU through oneDNN with the weight pre-packed in its blocked layout.
+class MklPackedLinear(nn.Module):
+    """fp32 CPU linear that runs MKL's packed-weight GEMM (``cblas_sgemm_compute``) at the row
+    counts where it pays, and the plain ``F.linear`` elsewhere.
 
-    Measured on this CPU (benchmarks/README): the default MKL path handles the skinny matmuls of
-    decoding badly - a 4-row batch cost 2x a 1-row one, and the 49k-row output head ran at half the
-    memory bandwidth - while oneDNN's pre-packed weights keep a decode step close to the cost of
-    reading the weights once (fp32 step at batch 4: 114 ms -> 61 ms).
+    Why: a plain fp32 ``F.linear`` repacks its weight on every call, which at 4-16 rows costs more
+    than the arithmetic. SmolLM2-135M's 49k-row head (benchmarks/results/linear_kernels.json, one
+    run) took 2.6 / 5.4 / 9.4 / 8.2 ms at 1 / 4 / 8 / 16 rows plain and 2.3 / 3.6 / 4.3 / 5.6 ms
+    packed; the fp32 tier's median decode step in-process went from 47 to 35 ms at 4 sequences and
+    66 to 53 ms at 16. Outside 4-16 rows the packed kernel measured no better (1-3 rows, within
+    noise) or worse (from 17 rows; the head at 80 rows 29 vs 18 ms), so those calls keep the plain
+    weight. Cost: the packed copy is as large as the weight (+540 MB for a 135M fp32 model).
+
+    ``torch.ops.mkl._mkl_linear`` is the op inductor emits for frozen fp32 linears; it takes the
+    packed path only when the row count equals the ``batch_size`` argument, so each call passes its
+    own row count. MKL's packed B layout does not depend on the row count (the packed size is the
+    same for every ``batch_size``; ``tests/tiers/test_quant.py`` checks 1-33 rows against fp64).
     """
+
+    PACKED_ROWS = range(4, 17)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight_packed = linear.weight.detach().to(torch.float32).to_mkldnn()
-        self.bias_packed = None if linear.bias is None else linear.bias.detach().to(torch.float32).to_mkldnn()
+        # The same Parameter, not a copy: a head tied to the embedding stays tied.
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():
+            w = self.weight.detach().to(torch.float32).contiguous()
+            self.weight_packed = torch.ops.mkl._mkl_reorder_linear_weight(w, self.PACKED_ROWS.stop - 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.float32).to_mkldnn()
-        y = torch._C._nn.mkldnn_linear(x2, self.weight_packed, self.bias_packed).to_dense()
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        x2 = x.reshape(-1, shape[-1])
+        rows = x2.shape[0]
+        if rows in self.PACKED_ROWS and x2.dtype == torch.float32:
+            y = torch.ops.mkl._mkl_linear(x2.contiguous(), self.weight_packed, self.weight, self.bias, rows)
+        else:
+            y = nn.functional.linear(x2, self.weight, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def packed_fp32_supported() -> bool:
+    return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def _untie_head(model: Any) -> None:
@@ -153,25 +177,24 @@ def _untie_head(model: Any) -> None:
             model.config.tie_word_embeddings = False
 
 
-ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 16
-"""Below this a weight is cache-resident and the layout reorders cost more than they save."""
+PACKED_MIN_WEIGHT_ELEMENTS = 1 << 16
+"""Below this a weight is cache-resident: the plain kernel's repacking is cheap and the packed copy
+would only add memory."""
 
 
-def use_onednn_linears(model: nn.Module) -> nn.Module:
-    """Swap large fp32 CPU ``nn.Linear``s for ``OneDnnLinear`` (no-op where oneDNN is unavailable)."""
-    if not torch.backends.mkldnn.is_available():
+def use_packed_fp32_linears(model: nn.Module) -> nn.Module:
+    """Swap the large fp32 CPU ``nn.Linear``s for ``MklPackedLinear`` (no-op without MKL)."""
+    if not packed_fp32_supported():
         return model
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Linear) and head.weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS:
-        _untie_head(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (
-                isinstance(child, nn.Linear)
+                type(child) is nn.Linear
                 and child.weight.device.type == "cpu"
-                and child.weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
+                and child.weight.dtype == torch.float32
+                and child.weight.numel() >= PACKED_MIN_WEIGHT_ELEMENTS
             ):
-                setattr(parent, name, OneDnnLinear(child))
+                setattr(parent, name, MklPackedLinear(child))
     return model
 
 
@@ -228,13 +251,14 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
                 fused.bias.copy_(torch.cat([m.bias for m in mods]))
         fused.requires_grad_(False)
         return fused
-    if isinstance(first, OneDnnLinear):
+    if isinstance(first, MklPackedLinear):
         dense = nn.Linear(first.in_features, out_features, bias=biases[0] is not None)
         with torch.no_grad():
-            dense.weight.copy_(torch.cat([m.weight_packed.to_dense() for m in mods]))
-            if dense.bias is not None:
-                dense.bias.copy_(torch.cat([m.bias_packed.to_dense() for m in mods]))
-        return OneDnnLinear(dense)
+            dense.weight.copy_(torch.cat([m.weight for m in mods]))
+            if dense.bias is not None and bias is not None:
+                dense.bias.copy_(bias)
+        dense.requires_grad_(False)
+        return MklPackedLinear(dense)
     if isinstance(first, Int8WeightOnlyLinear):
         out = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
         nn.Module.__init__(out)

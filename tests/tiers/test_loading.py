@@ -63,14 +63,25 @@ def test_cache_dir_is_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert loading.cache_dir() == tmp_path
 
 
-def test_fp32_cpu_tiers_keep_plain_linears(tiny_model_dir: Path) -> None:
-    # MKL's plain linear measured faster than pre-packed oneDNN at every decode batch (torch 2.13),
-    # and it is HF's own arithmetic: the fp32 tier's greedy output is HF's.
+def test_fp32_cpu_tiers_pack_their_large_linears(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 CPU loads put the linears at or above the size threshold on MKL's packed GEMM and
+    leave smaller ones (cache-resident) plain; quantized loads are untouched."""
     import torch
 
-    from tiers.quant import OneDnnLinear
+    from tiers import quant
 
-    loaded = load_model(str(tiny_model_dir), dtype="float32")
-    mods = list(loaded.model.modules())
-    assert not any(isinstance(m, OneDnnLinear) for m in mods)
-    assert sum(isinstance(m, torch.nn.Linear) for m in mods) > 0
+    def kinds(m: torch.nn.Module) -> set[str]:
+        return {type(x).__name__ for x in m.modules() if "Linear" in type(x).__name__}
+
+    assert kinds(load_model(str(tiny_model_dir), dtype="float32").model) == {"Linear"}  # all < 64k
+    monkeypatch.setattr(quant, "PACKED_MIN_WEIGHT_ELEMENTS", 64 * 64)
+    mixed = load_model(str(tiny_model_dir), dtype="float32").model
+    assert kinds(mixed) == {"Linear", "MklPackedLinear"}
+    assert all(
+        isinstance(x, quant.MklPackedLinear) == (x.weight.numel() >= 64 * 64)
+        for x in mixed.modules()
+        if isinstance(x, (torch.nn.Linear, quant.MklPackedLinear))
+    )
+    assert "MklPackedLinear" not in kinds(load_model(str(tiny_model_dir), quantization="int8").model)

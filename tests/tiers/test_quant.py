@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
-from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, OneDnnLinear, quantize_model
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, MklPackedLinear, quantize_model
 
 
 @pytest.fixture
@@ -48,9 +50,32 @@ def test_int4_rejects_unaligned_features() -> None:
         Int4WeightOnlyLinear(nn.Linear(40, 8), group_size=32)
 
 
-def test_onednn_linear_matches(linear: nn.Linear) -> None:
-    x = torch.randn(2, 7, 128)
-    assert torch.allclose(OneDnnLinear(linear)(x), linear(x), atol=1e-5)
+def _ran_packed_gemm(fn: Any) -> bool:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return any("_mkl_linear" in e.key for e in prof.key_averages())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mkl_packed_linear_matches_fp64_at_every_row_count(bias: bool) -> None:
+    """The packed weight is made once (for 16 rows) and used at every row count 4-16: catches a
+    packed layout that depends on the row count (garbage), a wrong bias, or rows outside 4-16
+    sent to the packed kernel (where it measured slower) - and checks the packed kernel ran."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384, bias=bias)
+    packed = MklPackedLinear(lin)
+    ref_w = lin.weight.detach().double()
+    for rows in range(1, 34):
+        x = torch.randn(rows, 256)
+        ref = x.double() @ ref_w.T + (lin.bias.detach().double() if bias else 0)
+        with torch.no_grad():
+            got = packed(x)
+        assert (got.double() - ref).abs().max() < 1e-4, rows
+        assert _ran_packed_gemm(lambda x=x: packed(x)) == (rows in MklPackedLinear.PACKED_ROWS), rows
+    x3 = torch.randn(2, 3, 256)  # leading dims flatten to 6 rows
+    assert torch.allclose(packed(x3), lin(x3), atol=1e-5)
 
 
 def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
@@ -73,17 +98,23 @@ def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings untouched
 
 
-@pytest.mark.parametrize("kind", ["linear", "onednn", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["linear", "mkl_packed", "int8", "int4"])
 def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None:
     """q/k/v fused into one call give exactly the separate outputs (the fast path relies on it)."""
     from torch import nn
 
-    from tiers.quant import FusedSlice, Int4WeightOnlyLinear, Int8WeightOnlyLinear, OneDnnLinear, fuse_linears
+    from tiers.quant import (
+        FusedSlice,
+        Int4WeightOnlyLinear,
+        Int8WeightOnlyLinear,
+        MklPackedLinear,
+        fuse_linears,
+    )
 
     torch.manual_seed(0)
     make = {
         "linear": lambda m: m,
-        "onednn": OneDnnLinear,
+        "mkl_packed": MklPackedLinear,
         "int8": Int8WeightOnlyLinear,
         "int4": lambda m: Int4WeightOnlyLinear(m, 32),
     }[kind]
