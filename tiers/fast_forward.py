@@ -52,6 +52,7 @@ class FastDecoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.scale = self.head_dim**-0.5
         self.group = self.num_heads // self.num_kv_heads
+        self.dtype = self.base.embed_tokens.weight.dtype
         self.layers = [self._fused_layer(layer) for layer in self.base.layers]
         self.norm_weight = self.base.norm.weight
         self.norm_eps = self.base.norm.variance_epsilon
@@ -77,27 +78,35 @@ class FastDecoder:
         return fused, sizes
 
     def _fused_layer(self, layer: Any) -> tuple[Any, ...]:
+        from tiers.quant import direct_kernel
+
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_sizes = self._fuse(attn, ("q_proj", "k_proj", "v_proj"))
         gate_up, gu_sizes = self._fuse(mlp, ("gate_proj", "up_proj"))
+
+        def call(mod: Any) -> Any:  # what could not be fused stays a list of calls
+            if isinstance(mod, list):
+                return [direct_kernel(m, self.dtype) for m in mod]
+            return direct_kernel(mod, self.dtype)
+
         return (
             layer.input_layernorm.weight,
             layer.input_layernorm.variance_epsilon,
-            qkv,
+            call(qkv),
             qkv_sizes,
-            attn.o_proj,
+            call(attn.o_proj),
             layer.post_attention_layernorm.weight,
             layer.post_attention_layernorm.variance_epsilon,
-            gate_up,
+            call(gate_up),
             gu_sizes,
-            mlp.down_proj,
+            call(mlp.down_proj),
         )
 
     @staticmethod
-    def _project(mod: Any, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        if isinstance(mod, list):
-            return [m(x) for m in mod]
-        return list(mod.forward(x).split(sizes, dim=-1))  # no hooks on these: skip Module.__call__
+    def _project(fn: Any, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        if isinstance(fn, list):
+            return [f(x) for f in fn]
+        return list(fn(x).split(sizes, dim=-1))  # no hooks on these: Module.__call__ is skipped
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,7 +150,7 @@ class FastDecoder:
                 q_x, k_x, v_x = self._project(qkv, x, qkv_sizes)
                 qk_x = torch.cat((q_x, k_x), dim=-1)
             else:  # one fused projection; q and k side by side, so RoPE runs once for both
-                y = qkv.forward(x)
+                y = qkv(x)
                 qk_x, v_x = y[:, : qkv_sizes[0] + qkv_sizes[1]], y[:, qkv_sizes[0] + qkv_sizes[1] :]
             # Elementwise, so rotating q and k together is bitwise the same as one by one.
             qk = self._rotate(qk_x.reshape(n, heads + kv_heads, dim), cos, sin)
@@ -175,8 +184,8 @@ class FastDecoder:
                 else:
                     out[g.first : g.first + rows * t] = attn
             assert out is not None
-            h = h + o_p.forward(out.reshape(n, heads * dim))
+            h = h + o_p(out.reshape(n, heads * dim))
             x = self._rms_norm(h, w_post, eps_post)
             gate, up = self._project(gate_up, x, gu_sizes)
-            h = h + down.forward(F.silu(gate) * up)
+            h = h + down(F.silu(gate) * up)
         return self._rms_norm(h, self.norm_weight, self.norm_eps)

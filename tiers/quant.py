@@ -23,6 +23,7 @@ __all__ = [
     "Int8WeightOnlyLinear",
     "MklPackedLinear",
     "QuantMethod",
+    "direct_kernel",
     "fuse_linears",
     "packed_fp32_supported",
     "quantize_model",
@@ -60,6 +61,10 @@ class Int8WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+INT4_CPU_PACK_BLOCK = 64
+"""Output channels per block of ``_convert_weight_to_int4pack_for_cpu``'s layout."""
 
 
 class Int4WeightOnlyLinear(nn.Module):
@@ -118,6 +123,24 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
+    """``mod.forward`` as one kernel call on 2-D activations of ``dtype``, or ``mod.forward``.
+
+    Why: a small model's decode step makes ~120 projection calls; for the packed int4 kernel the
+    module's reshapes and no-op dtype casts around the one op are Python and dispatch work on
+    every call. The fast path feeds 2-D activations of the model's dtype, so those steps are
+    skipped - the same op on the same tensors, so the result is bitwise the module's."""
+    if (
+        isinstance(mod, Int4WeightOnlyLinear)
+        and mod._packed_cpu
+        and mod.bias is None
+        and dtype == torch.bfloat16
+    ):
+        op, wq, gs, sz = torch._weight_int4pack_mm_for_cpu, mod.weight_q, mod.group_size, mod.scales_and_zeros
+        return lambda x: op(x, wq, gs, sz)
+    return mod.forward
 
 
 class MklPackedLinear(nn.Module):
@@ -269,6 +292,11 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
         return out
     if isinstance(first, Int4WeightOnlyLinear):
         if any(m.group_size != first.group_size or m._packed_cpu != first._packed_cpu for m in mods):
+            return None
+        # The CPU packed layout interleaves output channels within blocks of 64: concatenating
+        # parts that are not whole blocks scrambles their channels (a tiny model's 32-wide k/v
+        # projections gave logits unrelated to HF's), so those stay separate calls.
+        if first._packed_cpu and any(int(m.out_features) % INT4_CPU_PACK_BLOCK for m in mods):
             return None
         q4 = Int4WeightOnlyLinear.__new__(Int4WeightOnlyLinear)
         nn.Module.__init__(q4)

@@ -13,9 +13,11 @@ from tiers.loading import load_model
 from tiers.model_runner import ModelRunner, RowInput
 
 
-def runner(model_dir: Path, *, fast_path: bool = True, num_blocks: int = 64) -> ModelRunner:
+def runner(
+    model_dir: Path, *, fast_path: bool = True, num_blocks: int = 64, quantization: str = "none"
+) -> ModelRunner:
     return ModelRunner(
-        load_model(str(model_dir), device="cpu"),
+        load_model(str(model_dir), device="cpu", quantization=quantization),  # type: ignore[arg-type]
         num_blocks=num_blocks,
         block_size=4,
         max_model_len=256,
@@ -67,8 +69,24 @@ def test_garbage_in_fresh_pool_memory_never_reaches_attention(tiny_model_dir: Pa
     torch.testing.assert_close(a, b)
 
 
-def test_fast_and_generic_paths_agree(tiny_model_dir: Path) -> None:
-    fast, generic = runner(tiny_model_dir), runner(tiny_model_dir, fast_path=False)
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_fast_and_generic_paths_agree(tiny_model_dir: Path, quantization: str) -> None:
+    """The lean path against HF's own modules. Under int4 the lean path calls the packed kernel
+    directly (no module wrapper), and the tiny model's 32-wide k/v projections cannot be fused in
+    the packed layout: catches a projection bound to the wrong weights, or a fused packed weight
+    whose channels were scrambled (it did: logits unrelated to HF's, 0 % argmax agreement)."""
+    fast = runner(tiny_model_dir, quantization=quantization)
+    generic = runner(tiny_model_dir, fast_path=False, quantization=quantization)
+    assert fast.fast is not None
+    calls = [
+        c
+        for layer in fast.fast.layers
+        for i in (2, 4, 7, 9)
+        for c in (layer[i] if isinstance(layer[i], list) else [layer[i]])
+    ]
+    bound = [getattr(c, "__self__", None) for c in calls]
+    # Under int4 every projection is a direct kernel call (not a module's bound forward).
+    assert all(b is None for b in bound) == (quantization == "int4") and bound
 
     def rows(r: ModelRunner) -> list[RowInput]:
         return [

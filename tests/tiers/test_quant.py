@@ -125,3 +125,21 @@ def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None
     with torch.no_grad():
         assert torch.equal(fused(x), torch.cat([m(x) for m in mods], dim=-1))
         assert torch.equal(FusedSlice(fused, 256, 320)(x), mods[1](x))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fusable"), [((64, 32, 32), False), ((96, 32), False), ((128, 64, 64), True)]
+)
+def test_int4_parts_fuse_only_in_whole_pack_blocks(sizes: tuple[int, ...], fusable: bool) -> None:
+    """The CPU int4 layout interleaves channels within blocks of 64 outputs: parts that are not
+    whole blocks are left unfused (concatenated they gave other channels' outputs), whole blocks
+    fuse and stay bitwise equal."""
+    from tiers.quant import fuse_linears
+
+    torch.manual_seed(0)
+    mods = [Int4WeightOnlyLinear(nn.Linear(64, n, bias=False), 32) for n in sizes]
+    fused = fuse_linears(mods)
+    assert (fused is not None) == fusable
+    if fused is not None:
+        x = torch.randn(5, 64, dtype=torch.bfloat16)
+        assert torch.equal(fused(x), torch.cat([m(x) for m in mods], dim=-1))
