@@ -167,6 +167,16 @@ def _weight_bytes(config: Any, cfg: TierConfig, device: str) -> int:
     if cfg.quantization == "int8":
         return total
     width = 2 if _dtype_name(cfg, device) in ("bfloat16", "float16") else 4
+    if width == 4 and device == "cpu":
+        # fp32 on the CPU keeps a packed copy of every large linear's weight beside it
+        # (``quant.MklPackedLinear``), the output head included even when tied to the embedding.
+        from tiers.quant import PACKED_MIN_WEIGHT_ELEMENTS
+
+        total += sum(
+            m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.numel() >= PACKED_MIN_WEIGHT_ELEMENTS
+        )
     return total * width
 
 

@@ -56,3 +56,14 @@ def test_a_kv_budget_below_one_sequence_is_named(tmp_path: Path, capsys: pytest.
     policy.write_text(text)
     assert main(["policy", "plan", str(policy), "--device-memory", "80GiB"]) == 2
     assert "tiers.large" in capsys.readouterr().err
+
+
+def test_an_fp32_cpu_tier_counts_its_packed_weight_copies() -> None:
+    """The default's large tier (fp32 on the CPU) holds each linear's weight twice, plain and
+    MKL-packed: about 2 x 135M x 4 bytes (measured RSS after /readyz rose 1.7 -> 2.2 GB)."""
+    from router.policy.loader import load_policy
+    from tiers.plan import plan_policy
+
+    plans = {p.tier: p for p in plan_policy(load_policy(ROOT / "policies/default.yaml"))}
+    assert 1.0e9 < plans["large"].weights_bytes < 1.15e9
+    assert plans["small"].weights_bytes < 0.1e9  # int4: nothing packed twice
