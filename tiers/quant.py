@@ -265,23 +265,16 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     if any(b is not None for b in biases) and any(b is None for b in biases):
         return None
-    if isinstance(first, nn.Linear):
-        fused = nn.Linear(first.in_features, out_features, bias=biases[0] is not None)
+    if isinstance(first, (nn.Linear, MklPackedLinear)):
+        fused = nn.Linear(first.in_features, out_features, bias=bias is not None)
         fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
         with torch.no_grad():
             fused.weight.copy_(torch.cat([m.weight for m in mods]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([m.bias for m in mods]))
+            if fused.bias is not None and bias is not None:
+                fused.bias.copy_(bias)
         fused.requires_grad_(False)
-        return fused
-    if isinstance(first, MklPackedLinear):
-        dense = nn.Linear(first.in_features, out_features, bias=biases[0] is not None)
-        with torch.no_grad():
-            dense.weight.copy_(torch.cat([m.weight for m in mods]))
-            if dense.bias is not None and bias is not None:
-                dense.bias.copy_(bias)
-        dense.requires_grad_(False)
-        return MklPackedLinear(dense)
+        # Packed parts give a packed fusion (packed once more, from the concatenated weight).
+        return MklPackedLinear(fused) if isinstance(first, MklPackedLinear) else fused
     if isinstance(first, Int8WeightOnlyLinear):
         out = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
         nn.Module.__init__(out)
