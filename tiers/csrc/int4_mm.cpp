@@ -1,0 +1,182 @@
+// int4 weight-only GEMM for the CPU that dequantizes each weight group once for all rows.
+//
+// Why: torch's `_weight_int4pack_mm_for_cpu` (AVX512 build) walks the rows in blocks of four and
+// dequantizes every weight again for each block, so at 16 decode rows it dequantizes each weight
+// four times and spends about as many vector ops on dequantizing and broadcasting as on the
+// multiply-adds. This kernel takes the same packed weights and scales, dequantizes one group of
+// `group_size` inputs x 32 output channels into an L1-resident fp32 tile, then runs every row
+// against that tile.
+//
+// Bitwise contract: each output is the same chain of fp32 fused multiply-adds as torch's AVX512
+// kernel - accumulator starts at 0.0, k runs 0..K-1 in order, weight = fma(q - 8, scale, zero),
+// activation = (float)bf16, result rounded to bf16 to nearest-even - so the outputs equal torch's
+// bit for bit at every row count (tests/tiers/test_int4_kernel.py checks this against the torch
+// op). Python uses it only when torch dispatches its AVX512 kernel, whose arithmetic this is.
+//
+// Weight layout (torch's `_convert_weight_to_int4pack_for_cpu` on AVX512): for each block of 64
+// output channels, K rows of 32 bytes; byte d (0..15) holds channel d in its low nibble and
+// channel d+32 in its high nibble, byte 16+d holds channels 16+d and 48+d. Scales and zeros are
+// bf16 [K / group_size, N, 2].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kBlockN = 64;   // output channels per packed block
+constexpr int kTaskN = 32;    // channels per task: half a block (one 16-byte lane pair)
+constexpr int kMaxRows = 12;  // rows per register tile: 24 accumulators + 2 weight vectors + 1
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round-to-nearest-even fp32 -> bf16 of 16 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
+inline __m256i float_to_bf16(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i t = _mm512_srli_epi32(_mm512_add_epi32(x, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  t = _mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0xffff));
+  return _mm512_cvtepi32_epi16(t);
+}
+
+// acc[R rows][32 channels] += A[R rows][k0..k0+G) x tile[G][32], k in order.
+template <int R>
+inline void rows_times_tile(const float* a, int lda, const float* tile, int G, float* acc) {
+  __m512 c0[R], c1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    c0[r] = _mm512_loadu_ps(acc + r * kTaskN);
+    c1[r] = _mm512_loadu_ps(acc + r * kTaskN + 16);
+  }
+  for (int k = 0; k < G; ++k) {
+    const __m512 b0 = _mm512_load_ps(tile + k * kTaskN);
+    const __m512 b1 = _mm512_load_ps(tile + k * kTaskN + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 va = _mm512_set1_ps(a[r * lda + k]);
+      c0[r] = _mm512_fmadd_ps(va, b0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(va, b1, c1[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * kTaskN, c0[r]);
+    _mm512_storeu_ps(acc + r * kTaskN + 16, c1[r]);
+  }
+}
+
+using TileFn = void (*)(const float*, int, const float*, int, float*);
+
+template <int... Rs>
+constexpr auto make_tile_fns(std::integer_sequence<int, Rs...>) {
+  return std::array<TileFn, sizeof...(Rs)>{&rows_times_tile<Rs + 1>...};
+}
+
+const auto kTileFns = make_tile_fns(std::make_integer_sequence<int, kMaxRows>{});
+
+// Dequantize group `g` of task channels into tile[G][32]: columns 0..15 are the low nibbles
+// (block channels 16h..16h+15), 16..31 the high nibbles (block channels 32+16h..).
+inline void dequant_group(
+    const uint8_t* wblock, int h, const uint16_t* sz, int N, int n_lo, int n_hi, int g, int G,
+    float* tile) {
+  // Each (scale, zero) bf16 pair is one 32-bit lane: scale in the low half, zero in the high
+  // half; shifting each half to the top of its lane is the exact bf16 -> fp32 conversion.
+  const uint16_t* row = sz + static_cast<int64_t>(g) * N * 2;
+  const __m512i p_lo = _mm512_loadu_si512(row + n_lo * 2);
+  const __m512i p_hi = _mm512_loadu_si512(row + n_hi * 2);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 s_lo = _mm512_castsi512_ps(_mm512_slli_epi32(p_lo, 16));
+  const __m512 s_hi = _mm512_castsi512_ps(_mm512_slli_epi32(p_hi, 16));
+  const __m512 z_lo = _mm512_castsi512_ps(_mm512_and_si512(p_lo, top));
+  const __m512 z_hi = _mm512_castsi512_ps(_mm512_and_si512(p_hi, top));
+  // q -> (q - 8) by table lookup on the low 4 bits of each lane, as torch does.
+  const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const uint8_t* src = wblock + static_cast<int64_t>(g) * G * 32 + 16 * h;
+  for (int k = 0; k < G; ++k) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * 32)));
+    const __m512 lo = _mm512_permutexvar_ps(q, lut);
+    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+    _mm512_store_ps(tile + k * kTaskN, _mm512_fmadd_ps(lo, s_lo, z_lo));
+    _mm512_store_ps(tile + k * kTaskN + 16, _mm512_fmadd_ps(hi, s_hi, z_hi));
+  }
+}
+
+at::Tensor int4_mm(const at::Tensor& A, const at::Tensor& B, int64_t group_size, const at::Tensor& SZ) {
+  TORCH_CHECK(A.dim() == 2 && A.scalar_type() == at::kBFloat16, "int4_mm: A must be 2-D bf16");
+  TORCH_CHECK(B.dim() == 2 && B.scalar_type() == at::kByte, "int4_mm: B must be packed uint8 [N, K/2]");
+  TORCH_CHECK(SZ.dim() == 3 && SZ.scalar_type() == at::kBFloat16, "int4_mm: scales_and_zeros must be bf16 [K/G, N, 2]");
+  const int64_t M = A.size(0), K = A.size(1), N = B.size(0);
+  const int G = static_cast<int>(group_size);
+  TORCH_CHECK(B.size(1) * 2 == K, "int4_mm: B holds ", B.size(1) * 2, " inputs, A has ", K);
+  TORCH_CHECK(N % kBlockN == 0, "int4_mm: N=", N, " is not a multiple of ", kBlockN);
+  TORCH_CHECK(G > 0 && K % G == 0, "int4_mm: K=", K, " is not a multiple of group_size ", G);
+  TORCH_CHECK(SZ.size(0) == K / G && SZ.size(1) == N && SZ.size(2) == 2, "int4_mm: scales_and_zeros shape");
+  const at::Tensor a_bf = A.contiguous();
+  const at::Tensor b = B.contiguous();
+  const at::Tensor sz = SZ.contiguous();
+  at::Tensor C = at::empty({M, N}, A.options());
+  if (M == 0) return C;
+
+  // Activations to fp32 once: every task broadcasts from them.
+  at::Tensor a_f = a_bf.to(at::kFloat);
+  const float* af = a_f.data_ptr<float>();
+  const uint8_t* bp = b.data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  uint16_t* cp = reinterpret_cast<uint16_t*>(C.data_ptr<at::BFloat16>());
+  const int groups = static_cast<int>(K / G);
+  const int64_t tasks = (N / kBlockN) * 2;
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_buf(static_cast<size_t>(M) * kTaskN + 16);
+    std::vector<float> tile_buf(static_cast<size_t>(G) * kTaskN + 16);
+    float* acc = acc_buf.data();
+    float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t nb = t / 2;
+      const int h = static_cast<int>(t % 2);
+      const int n_lo = static_cast<int>(nb * kBlockN + 16 * h);
+      const int n_hi = n_lo + 32;
+      const uint8_t* wblock = bp + nb * K * 32;
+      std::memset(acc, 0, sizeof(float) * M * kTaskN);
+      for (int g = 0; g < groups; ++g) {
+        dequant_group(wblock, h, szp, static_cast<int>(N), n_lo, n_hi, g, G, tile);
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+          kTileFns[rows - 1](af + m0 * K + static_cast<int64_t>(g) * G, static_cast<int>(K), tile, G,
+                             acc + m0 * kTaskN);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        uint16_t* out = cp + m * N;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n_lo), float_to_bf16(_mm512_loadu_ps(acc + m * kTaskN)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n_hi),
+                            float_to_bf16(_mm512_loadu_ps(acc + m * kTaskN + 16)));
+      }
+    }
+  });
+  return C;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tiered_router, m) {
+  m.def("int4_mm(Tensor a, Tensor b, int group_size, Tensor scales_and_zeros) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tiered_router, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+}
