@@ -1,12 +1,14 @@
 """Build and load the project's own CPU kernels (``tiers/csrc``), with torch's ops as the fallback.
 
-Why a build step: the one kernel here (``tiered_router::int4_mm``, a tiled int4 GEMM that
-dequantizes each weight group once for all rows, bitwise equal to torch's AVX512 kernel) is
-C++ with AVX512 intrinsics. ``make install`` compiles it with the system C++ compiler against the
-installed torch (``python -m tiers.cpu_kernels``); the shared object's name carries a hash of the
-source, torch's version and the flags, so a stale build is never loaded. Where it is not built
-(an image without a compiler) or cannot apply (no AVX512 dispatch in torch), callers get ``None``
-and keep using torch's kernel - slower at many rows, the same numbers.
+Why a build step: the kernels here are C++ with AVX512 intrinsics, each bitwise equal to the torch
+ops it replaces - ``tiered_router::int4_mm`` (int4_mm.cpp: a tiled int4 GEMM that dequantizes
+each weight group once for all rows) and ``tiered_router::add_rms_norm`` (rms_norm.cpp: the
+residual add and HF's RMSNorm in one pass instead of ~8 torch ops). ``make install`` compiles them
+into one shared object with the system C++ compiler against the installed torch (``python -m
+tiers.cpu_kernels``); its name carries a hash of every source, torch's version and the flags, so a
+stale build is never loaded. Where it is not built (an image without a compiler) or cannot apply
+(no AVX512 dispatch in torch), callers get ``None`` and keep using torch's ops - slower, the same
+numbers.
 """
 
 from __future__ import annotations
@@ -21,23 +23,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["build", "int4_mm_op", "library_path"]
+__all__ = ["add_rms_norm_op", "build", "int4_mm_op", "library_path"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "int4_mm.cpp"
-_BUILD_DIR = _SOURCE.parent / "build"
-_FLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
+_SOURCE_DIR = Path(__file__).with_name("csrc")
+_BUILD_DIR = _SOURCE_DIR / "build"
+# -ffp-contract=off: the kernels promise torch's exact roundings, so the compiler must not fuse a
+# separate multiply and add into one FMA.
+_FLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 _FLAGS += ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
+
+
+def _sources() -> list[Path]:
+    return sorted(_SOURCE_DIR.glob("*.cpp"))
 
 
 def library_path() -> Path:
     """Where the build for this source, torch and flag set lives (whether or not it exists)."""
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    for src in _sources():
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_FLAGS).encode())
-    return _BUILD_DIR / f"tiered_router_int4-{h.hexdigest()[:16]}.so"
+    return _BUILD_DIR / f"tiered_router_kernels-{h.hexdigest()[:16]}.so"
 
 
 def build(compiler: str = "g++") -> Path:
@@ -56,7 +66,7 @@ def build(compiler: str = "g++") -> Path:
         *_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
-        str(_SOURCE),
+        *(str(src) for src in _sources()),
         f"-L{torch_lib}",
         f"-Wl,-rpath,{torch_lib}",
         "-ltorch_cpu",
@@ -67,26 +77,39 @@ def build(compiler: str = "g++") -> Path:
     tmp = out.with_suffix(".tmp.so")
     subprocess.run([*cmd, str(tmp)], check=True, capture_output=True, text=True)
     tmp.replace(out)  # atomic: a concurrent loader never sees a half-written library
-    for old in out.parent.glob("tiered_router_int4-*.so"):
+    for old in out.parent.glob("tiered_router_kernels-*.so"):
         if old != out:
             old.unlink(missing_ok=True)
     return out
 
 
 @functools.cache
-def int4_mm_op() -> Any | None:
-    """``torch.ops.tiered_router.int4_mm`` when built and applicable here, else ``None``.
+def _library_loaded() -> bool:
+    """Loads the build once; False where it is missing or cannot apply.
 
-    Applicable means torch dispatches its AVX512 int4 kernel on this CPU: that kernel's arithmetic
-    is the one ours reproduces bit for bit, so swapping between them never changes an output."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _SOURCE.exists():
-        return None
+    Applicable means torch dispatches its AVX512 kernels on this CPU: the build is compiled for
+    AVX512, and its kernels reproduce the arithmetic of the torch kernels that run there bit for
+    bit, so swapping between them never changes an output."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _sources():
+        return False
     path = library_path()
     if not path.exists():
-        log.info("tiled int4 CPU kernel not built (%s); using torch's int4 kernel", path.name)
-        return None
+        log.info("CPU kernels not built (%s); using torch's ops", path.name)
+        return False
     torch.ops.load_library(str(path))
-    return torch.ops.tiered_router.int4_mm
+    return True
+
+
+def int4_mm_op() -> Any | None:
+    """``torch.ops.tiered_router.int4_mm`` (torch's ``_weight_int4pack_mm_for_cpu`` signature)
+    when built and applicable here, else ``None``."""
+    return torch.ops.tiered_router.int4_mm if _library_loaded() else None
+
+
+def add_rms_norm_op() -> Any | None:
+    """``torch.ops.tiered_router.add_rms_norm(h, delta, weight, eps) -> (h + delta, norm)``, the
+    fused residual add + HF RMSNorm, when built and applicable here, else ``None``."""
+    return torch.ops.tiered_router.add_rms_norm if _library_loaded() else None
 
 
 def main() -> int:
@@ -94,7 +117,7 @@ def main() -> int:
         path = build()
     except subprocess.CalledProcessError as e:
         sys.stderr.write(e.stderr or "")
-        sys.stderr.write(f"building {_SOURCE} failed (exit {e.returncode})\n")
+        sys.stderr.write(f"building the kernels in {_SOURCE_DIR} failed (exit {e.returncode})\n")
         return 1
     print(path)
     return 0

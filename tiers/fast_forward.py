@@ -56,6 +56,20 @@ class FastDecoder:
         self.layers = [self._fused_layer(layer) for layer in self.base.layers]
         self.norm_weight = self.base.norm.weight
         self.norm_eps = self.base.norm.variance_epsilon
+        self._fused_norm = self._fused_norm_op()
+
+    def _fused_norm_op(self) -> Any | None:
+        """The fused residual add + RMSNorm kernel where it applies: CPU weights, norm weights in
+        the activation dtype (its bitwise contract covers exactly that case)."""
+        from tiers import cpu_kernels
+
+        op = cpu_kernels.add_rms_norm_op()
+        weights = [self.norm_weight] + [w for layer in self.layers for w in (layer[0], layer[5])]
+        if op is None or self.base.embed_tokens.weight.device.type != "cpu":
+            return None
+        if any(w.dtype != self.dtype or w.dim() != 1 or not w.is_contiguous() for w in weights):
+            return None
+        return op
 
     @staticmethod
     def _fuse(owner: Any, names: tuple[str, ...]) -> tuple[Any, list[int]]:
@@ -114,6 +128,17 @@ class FastDecoder:
         # F.rms_norm is that formula in one kernel (bitwise the same on the CPU: tests/tiers).
         return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h + delta`` (the residual stream; ``delta`` None for the first layer) and its norm."""
+        if self._fused_norm is not None and (delta is None or delta.dtype == h.dtype):
+            h_new, y = self._fused_norm(h, delta, weight, eps)  # h_new is None without a delta
+            return (h if delta is None else h_new), y
+        if delta is not None:
+            h = h + delta
+        return h, self._rms_norm(h, weight, eps)
+
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """HF's ``x * cos + rotate_half(x) * sin`` with the sign of rotate_half's first half
@@ -142,10 +167,11 @@ class FastDecoder:
         half = self.head_dim // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        delta: torch.Tensor | None = None  # the last sublayer's output, added to h by the next norm
         for i, (w_in, eps_in, qkv, qkv_sizes, o_p, w_post, eps_post, gate_up, gu_sizes, down) in enumerate(
             self.layers
         ):
-            x = self._rms_norm(h, w_in, eps_in)
+            h, x = self._add_norm(h, delta, w_in, eps_in)
             if isinstance(qkv, list):
                 q_x, k_x, v_x = self._project(qkv, x, qkv_sizes)
                 qk_x = torch.cat((q_x, k_x), dim=-1)
@@ -184,8 +210,7 @@ class FastDecoder:
                 else:
                     out[g.first : g.first + rows * t] = attn
             assert out is not None
-            h = h + o_p(out.reshape(n, heads * dim))
-            x = self._rms_norm(h, w_post, eps_post)
+            h, x = self._add_norm(h, o_p(out.reshape(n, heads * dim)), w_post, eps_post)
             gate, up = self._project(gate_up, x, gu_sizes)
-            h = h + down(F.silu(gate) * up)
-        return self._rms_norm(h, self.norm_weight, self.norm_eps)
+            delta = down(F.silu(gate) * up)
+        return self._add_norm(h, delta, self.norm_weight, self.norm_eps)[1]

@@ -1,6 +1,8 @@
-"""The tiled int4 CPU kernel against torch's own int4 kernel (an independent implementation of the
-same arithmetic): bit-for-bit at every row count, shape and group size the tiers use, and actually
-serving the int4 projections from ``TILED_INT4_MIN_ROWS`` rows."""
+"""The project's CPU kernels against independent implementations of the same arithmetic.
+
+The tiled int4 GEMM against torch's own int4 kernel: bit-for-bit at every row count, shape and group
+size the tiers use, and actually serving the int4 projections from ``TILED_INT4_MIN_ROWS`` rows.
+The fused residual add + RMSNorm against HF's ``LlamaRMSNorm`` and torch's add: bit-for-bit."""
 
 from __future__ import annotations
 
@@ -68,14 +70,59 @@ def test_shapes_it_cannot_take_are_refused_with_the_reason(op: object) -> None:
     assert quant._tiled_int4_op(96) is None  # so the layer keeps torch's kernel
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("width", [1, 7, 8, 12, 20, 64, 100, 576, 1536, 5000, 40000])
+def test_fused_add_rms_norm_is_bitwise_hfs(threads: int, dtype: torch.dtype, width: int) -> None:
+    """Catches a changed summation order of the mean of squares (torch's 4-way cascade over
+    8-lane vectors, the scalar tail and lane fold; widths cover rows shorter than a vector, tails
+    and the cascade's higher levels), a missing rounding of the normed row to bf16 before the
+    weight, a residual sum not rounded to the activation dtype, and rows lost between threads."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    op = cpu_kernels.add_rms_norm_op()
+    assert op is not None, f"CPU kernels not built at {cpu_kernels.library_path()}: run `make kernels`"
+    g = torch.Generator().manual_seed(width)
+    norm = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(width, generator=g) + 0.5).to(dtype))
+        for rows in (1, 5, 16, 33) if width < 40000 else (1, 3):
+            h = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+            delta = torch.randn(rows, width, generator=g).to(dtype)
+            none_out, y0 = op(h, None, norm.weight, norm.variance_epsilon)
+            assert none_out is None  # h is unchanged without a delta, so it is not returned
+            assert torch.equal(y0, norm(h)), f"rows={rows}, no delta"
+            h2, y = op(h, delta, norm.weight, norm.variance_epsilon)
+            assert torch.equal(h2, h + delta) and torch.equal(y, norm(h + delta)), f"rows={rows}"
+            strided = torch.cat((h, h), dim=1)[:, :width]  # not contiguous: copied, same bits
+            assert torch.equal(op(strided, delta, norm.weight, norm.variance_epsilon)[1], y)
+
+
+def test_fused_add_rms_norm_refuses_mixed_dtypes_with_the_reason() -> None:
+    op = cpu_kernels.add_rms_norm_op()
+    assert op is not None
+    h = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op(h, None, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="delta must match"):
+        op(h, torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+
+
 def test_a_changed_source_never_loads_the_old_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The library's name hashes the source: an edited kernel gets a new path, so a stale .so
-    from before the edit is not picked up."""
+    """The library's name hashes every source: editing any one kernel gets a new path, so a stale
+    .so from before the edit is not picked up."""
     before = cpu_kernels.library_path()
-    src = tmp_path / "int4_mm.cpp"
-    src.write_bytes(cpu_kernels._SOURCE.read_bytes() + b"\n// edited\n")
-    monkeypatch.setattr(cpu_kernels, "_SOURCE", src)
-    assert cpu_kernels.library_path().name != before.name
+    sources = sorted(cpu_kernels._SOURCE_DIR.glob("*.cpp"))
+    assert sources, "no kernel sources found"
+    for src in sources:
+        (tmp_path / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "_SOURCE_DIR", tmp_path)
+    assert cpu_kernels.library_path().name == before.name  # same bytes, same build
+    for src in sources:
+        edited = tmp_path / src.name
+        original = edited.read_bytes()
+        edited.write_bytes(original + b"\n// edited\n")
+        assert cpu_kernels.library_path().name != before.name, src.name
+        edited.write_bytes(original)
 
 
 def _profiled_keys(fn: object) -> set[str]:

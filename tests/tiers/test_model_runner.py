@@ -101,6 +101,32 @@ def test_fast_and_generic_paths_agree(tiny_model_dir: Path, quantization: str) -
         assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the fused norm kernel is for AVX512 hosts"
+)
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
+    tiny_model_dir: Path, quantization: str
+) -> None:
+    """The fast path's norms run the fused add + RMSNorm kernel (profiled: every norm of every
+    layer, not just some), and its logits are the bits of the torch ops it replaces. Catches a
+    residual add skipped or applied twice (the kernel now owns it), and the fast path silently
+    falling back to the torch ops."""
+    from torch.profiler import profile
+
+    fast = runner(tiny_model_dir, quantization=quantization)
+    assert fast.fast is not None and fast.fast._fused_norm is not None, "run `make kernels`"
+    ids = list(range(3, 23))
+    with profile() as prof:
+        a = fast.forward([RowInput(table(fast, 20), 0, ids, "all")])[0]
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("tiered_router::add_rms_norm") == 2 * len(fast.fast.layers) + 1
+    fast.fast._fused_norm = None
+    b = fast.forward([RowInput(table(fast, 20), 0, ids, "all")])[0]
+    assert a is not None and b is not None
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_path_norm_and_rope_are_bitwise_hfs(dtype: torch.dtype) -> None:
     """The fast path's RMSNorm (one F.rms_norm) and RoPE (sign folded into sin) against HF's
