@@ -1,12 +1,14 @@
 """The linear kernels a tier's step is made of, side by side at the batch sizes a step has.
 
 SmolLM2-135M's projection shapes (fused QKV, fused gate/up, down, and the 49k-row output head),
-each timed as the tiers run them: ``Int4WeightOnlyLinear`` (the small and medium tiers; the packed
-CPU kernel), ``Int8WeightOnlyLinear`` (medium's head), the large tier's fp32 both ways - plain
-``F.linear`` (MKL, repacking the weight on every call) and MKL's packed GEMM over a weight
-packed once (``fp32_packed_gemm``, timed at every row count; ``MklPackedLinear`` uses it at 4-16
-rows) - and a plain bf16 ``F.linear`` over the same weights for comparison (on CPUs with AMX
-oneDNN runs it on the tile units). Rows: 1 (one stream decoding), 4 and 8 (a few streams, or one
+each timed as the tiers run them: ``Int4WeightOnlyLinear`` (the small and medium tiers: torch's
+int4 kernel below ``TILED_INT4_MIN_ROWS`` rows, ``tiered_router::int4_mm`` from there where built)
+beside torch's int4 kernel at every row count (``int4_g64_torch``), ``Int8WeightOnlyLinear``
+(medium's head), the large tier's fp32 three ways - plain ``F.linear`` (MKL, repacking the weight
+on every call), MKL's packed GEMM and oneDNN's packed GEMM over a weight packed once (both timed at
+every row count; ``PackedFp32Linear`` uses one of them, by CPU vendor) - and a plain bf16
+``F.linear`` over the same weights for comparison (on CPUs with AMX oneDNN runs it on the tile
+units). Rows: 1 (one stream decoding), 4 and 8 (a few streams, or one
 stream verifying drafts), 16 (a full batch decoding) and 80 (a batch with a prompt chunk).
 
 Two settings: ``hot`` calls one weight over and over (it stays in cache); ``model`` cycles through
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import plot_path, write_json
-from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, MklPackedLinear
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedFp32Linear, fp32_gemm_backend
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 4, 8, 16, 80)
@@ -53,19 +55,24 @@ Call = Callable[[torch.Tensor], Any]
 
 
 def _kernels(out_f: int, in_f: int, copies: int) -> dict[str, list[Call]]:
-    kinds = ("int4_g64", "int8", "fp32_plain", "fp32_packed_gemm", "bf16_dense")
-    made: dict[str, list[Call]] = {k: [] for k in kinds}
+    kinds = ("int4_g64", "int4_g64_torch", "int8", "fp32_plain", "fp32_mkl_packed", "fp32_onednn_packed")
+    made: dict[str, list[Call]] = {k: [] for k in (*kinds, "bf16_dense")}
     for _ in range(copies):
         linear = torch.nn.Linear(in_f, out_f, bias=False)
-        made["int4_g64"].append(Int4WeightOnlyLinear(linear, 64))
+        q4 = Int4WeightOnlyLinear(linear, 64)
+        made["int4_g64"].append(q4)
+        made["int4_g64_torch"].append(
+            lambda v, q=q4: torch._weight_int4pack_mm_for_cpu(v, q.weight_q, q.group_size, q.scales_and_zeros)
+        )
         made["int8"].append(Int8WeightOnlyLinear(linear))
         fp32 = linear.weight.detach()
         made["fp32_plain"].append(lambda v, w=fp32: F.linear(v, w))
-        # The packed kernel at every row count (``MklPackedLinear`` uses it at 4-16 rows only).
-        pk = MklPackedLinear(linear)
-        made["fp32_packed_gemm"].append(
-            lambda v, p=pk: torch.ops.mkl._mkl_linear(v, p.weight_packed, p.weight, None, v.shape[0])
+        # Both packed kernels at every row count (``PackedFp32Linear`` uses MKL's at 4-16 only).
+        mkl = PackedFp32Linear(linear, "mkl")
+        made["fp32_mkl_packed"].append(
+            lambda v, p=mkl: torch.ops.mkl._mkl_linear(v, p.weight_packed, p.weight, None, v.shape[0])
         )
+        made["fp32_onednn_packed"].append(PackedFp32Linear(linear, "onednn"))
         dense = linear.weight.detach().to(torch.bfloat16)
         made["bf16_dense"].append(lambda v, w=dense: F.linear(v, w))
     return made
@@ -105,10 +112,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
     results = run(args.repeats)
-    flags = ""
+    flags = vendor = ""
     try:
         with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
+            lines = fh.readlines()
+        flags = next((line for line in lines if line.startswith("flags")), "")
+        vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
     except OSError:
         pass
     write_json(
@@ -116,7 +125,9 @@ def main() -> None:
         {
             "unit": "microseconds per call",
             "shapes": {k: list(v) for k, v in SHAPES.items()},
+            "cpu_vendor": vendor,
             "amx": "amx_bf16" in flags,
+            "fp32_gemm_backend": fp32_gemm_backend(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "results": results,
         },

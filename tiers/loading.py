@@ -251,9 +251,9 @@ def load_model(
     if dev.type == "cpu":
         _own_memory(hf_model)
         if quantization == "none" and torch_dtype == torch.float32:
-            # MKL's packed GEMM at the 4-16 rows a decoding batch or a verify step has; the plain
-            # MKL path elsewhere (``quant.MklPackedLinear`` says what each measured). Pre-packed
-            # oneDNN was tried before and lost at one row (a 42 vs 32 ms step), so it is not used.
+            # A weight packed once: MKL's at the 4-16 rows a decoding batch or a verify step has
+            # on Intel, oneDNN's at every row count elsewhere (``quant.fp32_gemm_backend`` and
+            # ``quant.PackedFp32Linear`` say what each measured).
             from tiers.quant import use_packed_fp32_linears
 
             use_packed_fp32_linears(hf_model)

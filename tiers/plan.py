@@ -169,7 +169,7 @@ def _weight_bytes(config: Any, cfg: TierConfig, device: str) -> int:
     width = 2 if _dtype_name(cfg, device) in ("bfloat16", "float16") else 4
     if width == 4 and device == "cpu":
         # fp32 on the CPU keeps a packed copy of every large linear's weight beside it
-        # (``quant.MklPackedLinear``), the output head included even when tied to the embedding.
+        # (``quant.PackedFp32Linear``), the output head included even when tied to the embedding.
         from tiers.quant import PACKED_MIN_WEIGHT_ELEMENTS
 
         total += sum(

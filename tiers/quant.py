@@ -12,6 +12,8 @@ only where bandwidth is not the limit.
 
 from __future__ import annotations
 
+import functools
+import platform
 from typing import Any, Literal
 
 import torch
@@ -21,9 +23,10 @@ __all__ = [
     "FusedSlice",
     "Int4WeightOnlyLinear",
     "Int8WeightOnlyLinear",
-    "MklPackedLinear",
+    "PackedFp32Linear",
     "QuantMethod",
     "direct_kernel",
+    "fp32_gemm_backend",
     "fuse_linears",
     "packed_fp32_supported",
     "quantize_model",
@@ -165,43 +168,77 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
     return mod.forward
 
 
-class MklPackedLinear(nn.Module):
-    """fp32 CPU linear that runs MKL's packed-weight GEMM (``cblas_sgemm_compute``) at the row
-    counts where it pays, and the plain ``F.linear`` elsewhere.
+Fp32Backend = Literal["mkl", "onednn"]
+
+
+@functools.cache
+def fp32_gemm_backend() -> Fp32Backend:
+    """Which packed fp32 GEMM this CPU runs faster: MKL's on Intel, oneDNN's elsewhere.
+
+    Why by vendor: MKL takes slower code paths on CPUs it does not recognise as Intel's. On this
+    project's AMD EPYC (Zen 4) VM (benchmarks/results/linear_kernels.json) plain MKL took 10.4 ms
+    for SmolLM2-135M's 49k-row head at one row and MKL's packed GEMM 17.3 ms at four; oneDNN's
+    packed GEMM took 5.3 and 4.4 ms, and won at every row count from 1 to 512 on every shape.
+    On the Intel Xeon VMs of earlier runs MKL was the faster one (a oneDNN decode step at one row
+    measured 42 vs 32 ms), so Intel keeps it. A fixed rule rather than timing both at load: the
+    kernel, and so the last bits of every logit, must not change from one start to the next."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        intel = "intel" in platform.processor().lower()
+    return "mkl" if intel or not onednn_fp32_supported() else "onednn"
+
+
+class PackedFp32Linear(nn.Module):
+    """fp32 CPU linear over a weight packed once for the GEMM library this CPU runs faster
+    (``fp32_gemm_backend``), at the row counts where that measured faster than the plain
+    ``F.linear``; the plain call elsewhere.
 
     Why: a plain fp32 ``F.linear`` repacks its weight on every call, which at 4-16 rows costs more
-    than the arithmetic. SmolLM2-135M's 49k-row head (benchmarks/results/linear_kernels.json, one
-    run) took 2.6 / 5.4 / 9.4 / 8.2 ms at 1 / 4 / 8 / 16 rows plain and 2.3 / 3.6 / 4.3 / 5.6 ms
-    packed; the fp32 tier's median decode step in-process went from 47 to 35 ms at 4 sequences and
-    66 to 53 ms at 16. Outside 4-16 rows the packed kernel measured no better (1-3 rows, within
-    noise) or worse (from 17 rows; the head at 80 rows 29 vs 18 ms), so those calls keep the plain
-    weight. Cost: the packed copy is as large as the weight (+540 MB for a 135M fp32 model).
+    than the arithmetic. MKL (Intel): SmolLM2-135M's 49k-row head took 2.6 / 5.4 / 9.4 / 8.2 ms at
+    1 / 4 / 8 / 16 rows plain and 2.3 / 3.6 / 4.3 / 5.6 ms packed; the fp32 tier's median decode
+    step in-process went from 47 to 35 ms at 4 sequences and 66 to 53 ms at 16. Outside 4-16 rows
+    MKL's packed kernel measured no better (1-3 rows) or worse (from 17 rows; the head at 80 rows
+    29 vs 18 ms), so those calls keep the plain weight. oneDNN (other vendors) won at every row
+    count (``fp32_gemm_backend``), so it serves all of them. Cost: the packed copy is as large as
+    the weight (+540 MB for a 135M fp32 model).
 
     ``torch.ops.mkl._mkl_linear`` is the op inductor emits for frozen fp32 linears; it takes the
     packed path only when the row count equals the ``batch_size`` argument, so each call passes its
-    own row count. MKL's packed B layout does not depend on the row count (the packed size is the
-    same for every ``batch_size``; ``tests/tiers/test_quant.py`` checks 1-33 rows against fp64).
+    own row count. Neither library's packed layout depends on the row count it was packed for
+    (``tests/tiers/test_quant.py`` checks 1-33 rows of both against fp64).
     """
 
-    PACKED_ROWS = range(4, 17)
+    MKL_PACKED_ROWS = range(4, 17)
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, backend: Fp32Backend | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.backend: Fp32Backend = backend or fp32_gemm_backend()
+        self.packed_rows = self.MKL_PACKED_ROWS if self.backend == "mkl" else range(1, 1 << 62)
         # The same Parameter, not a copy: a head tied to the embedding stays tied.
         self.weight = linear.weight
         self.bias = linear.bias
         with torch.no_grad():
             w = self.weight.detach().to(torch.float32).contiguous()
-            self.weight_packed = torch.ops.mkl._mkl_reorder_linear_weight(w, self.PACKED_ROWS.stop - 1)
+            rows = self.MKL_PACKED_ROWS.stop - 1
+            if self.backend == "mkl":
+                self.weight_packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+            else:
+                self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if rows in self.PACKED_ROWS and x2.dtype == torch.float32:
-            y = torch.ops.mkl._mkl_linear(x2.contiguous(), self.weight_packed, self.weight, self.bias, rows)
+        if rows in self.packed_rows and x2.dtype == torch.float32:
+            x2 = x2.contiguous()
+            if self.backend == "mkl":
+                y = torch.ops.mkl._mkl_linear(x2, self.weight_packed, self.weight, self.bias, rows)
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(x2, self.weight_packed, self.bias, "none", [], "")
         else:
             y = nn.functional.linear(x2, self.weight, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
@@ -209,6 +246,10 @@ class MklPackedLinear(nn.Module):
 
 def packed_fp32_supported() -> bool:
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def onednn_fp32_supported() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _untie_head(model: Any) -> None:
@@ -228,8 +269,8 @@ would only add memory."""
 
 
 def use_packed_fp32_linears(model: nn.Module) -> nn.Module:
-    """Swap the large fp32 CPU ``nn.Linear``s for ``MklPackedLinear`` (no-op without MKL)."""
-    if not packed_fp32_supported():
+    """Swap the large fp32 CPU ``nn.Linear``s for ``PackedFp32Linear`` (no-op without the library)."""
+    if fp32_gemm_backend() == "mkl" and not packed_fp32_supported():
         return model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -239,7 +280,7 @@ def use_packed_fp32_linears(model: nn.Module) -> nn.Module:
                 and child.weight.dtype == torch.float32
                 and child.weight.numel() >= PACKED_MIN_WEIGHT_ELEMENTS
             ):
-                setattr(parent, name, MklPackedLinear(child))
+                setattr(parent, name, PackedFp32Linear(child))
     return model
 
 
@@ -287,7 +328,7 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     if any(b is not None for b in biases) and any(b is None for b in biases):
         return None
-    if isinstance(first, (nn.Linear, MklPackedLinear)):
+    if isinstance(first, (nn.Linear, PackedFp32Linear)):
         fused = nn.Linear(first.in_features, out_features, bias=bias is not None)
         fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
         with torch.no_grad():
@@ -296,7 +337,7 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
                 fused.bias.copy_(bias)
         fused.requires_grad_(False)
         # Packed parts give a packed fusion (packed once more, from the concatenated weight).
-        return MklPackedLinear(fused) if isinstance(first, MklPackedLinear) else fused
+        return PackedFp32Linear(fused, first.backend) if isinstance(first, PackedFp32Linear) else fused
     if isinstance(first, Int8WeightOnlyLinear):
         out = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
         nn.Module.__init__(out)

@@ -448,11 +448,12 @@ async def test_a_light_caller_is_served_within_steps_of_a_flood_and_every_output
     assert [(await r)[0] for r in flood_runs] == [a[0] for a in alone[:8]]
 
 
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
 async def test_packed_fp32_kernels_keep_hfs_greedy_output(
-    worker: DeviceWorker, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    worker: DeviceWorker, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    """An fp32 tier with every linear on MKL's packed GEMM (the tiny model's are below the size
-    threshold, so it is lowered to 0) decodes a batch of 6 - steps of 6 rows, inside the packed
+    """An fp32 tier with every linear on a packed GEMM, MKL's and oneDNN's (the tiny model's are
+    below the size threshold, so it is lowered to 0) decodes a batch of 6 - steps of 6 rows, inside the packed
     range - token for token as plain greedy decoding with HF's unpacked model. Catches a packed
     layout used at a row count it does not fit, a head that lost its tie, or fused q/k/v/gate/up
     built from the wrong weights; and checks the packed kernel served the decode steps."""
@@ -461,23 +462,24 @@ async def test_packed_fp32_kernels_keep_hfs_greedy_output(
     from tiers import quant
 
     monkeypatch.setattr(quant, "PACKED_MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(quant, "fp32_gemm_backend", lambda: backend)
     rows_seen: list[int] = []
-    real_forward = quant.MklPackedLinear.forward
+    real_forward = quant.PackedFp32Linear.forward
 
-    def counting(self: quant.MklPackedLinear, x: torch.Tensor) -> torch.Tensor:
+    def counting(self: quant.PackedFp32Linear, x: torch.Tensor) -> torch.Tensor:
         rows_seen.append(x.reshape(-1, x.shape[-1]).shape[0])
         return real_forward(self, x)
 
-    monkeypatch.setattr(quant.MklPackedLinear, "forward", counting)
+    monkeypatch.setattr(quant.PackedFp32Linear, "forward", counting)
     packed = make_engine(worker, tiny_model_dir, name="packed")
     assert isinstance(packed, Engine)
     model = packed.runner.model
-    assert isinstance(model.lm_head, quant.MklPackedLinear)
+    assert isinstance(model.lm_head, quant.PackedFp32Linear) and model.lm_head.backend == backend
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     ps = prompts(6, seed=31)
     rows_seen.clear()
     got = await asyncio.gather(*(collect(packed, p, greedy(10)) for p in ps))
-    assert sum(r in quant.MklPackedLinear.PACKED_ROWS for r in rows_seen) > 0
+    assert sum(r in model.lm_head.packed_rows for r in rows_seen) > 0
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     for p, g in zip(ps, got, strict=True):
         seq = list(p)

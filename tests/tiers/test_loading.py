@@ -78,10 +78,10 @@ def test_fp32_cpu_tiers_pack_their_large_linears(
     assert kinds(load_model(str(tiny_model_dir), dtype="float32").model) == {"Linear"}  # all < 64k
     monkeypatch.setattr(quant, "PACKED_MIN_WEIGHT_ELEMENTS", 64 * 64)
     mixed = load_model(str(tiny_model_dir), dtype="float32").model
-    assert kinds(mixed) == {"Linear", "MklPackedLinear"}
+    assert kinds(mixed) == {"Linear", "PackedFp32Linear"}
     assert all(
-        isinstance(x, quant.MklPackedLinear) == (x.weight.numel() >= 64 * 64)
+        isinstance(x, quant.PackedFp32Linear) == (x.weight.numel() >= 64 * 64)
         for x in mixed.modules()
-        if isinstance(x, (torch.nn.Linear, quant.MklPackedLinear))
+        if isinstance(x, (torch.nn.Linear, quant.PackedFp32Linear))
     )
-    assert "MklPackedLinear" not in kinds(load_model(str(tiny_model_dir), quantization="int8").model)
+    assert "PackedFp32Linear" not in kinds(load_model(str(tiny_model_dir), quantization="int8").model)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, MklPackedLinear, quantize_model
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedFp32Linear, quantize_model
 
 
 @pytest.fixture
@@ -50,22 +50,28 @@ def test_int4_rejects_unaligned_features() -> None:
         Int4WeightOnlyLinear(nn.Linear(40, 8), group_size=32)
 
 
-def _ran_packed_gemm(fn: Any) -> bool:
+_PACKED_OPS = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise"}
+
+
+def _ran_packed_gemm(fn: Any, backend: str) -> bool:
     from torch.profiler import profile
 
     with profile() as prof:
         fn()
-    return any("_mkl_linear" in e.key for e in prof.key_averages())
+    return any(_PACKED_OPS[backend] in e.key for e in prof.key_averages())
 
 
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_mkl_packed_linear_matches_fp64_at_every_row_count(bias: bool) -> None:
-    """The packed weight is made once (for 16 rows) and used at every row count 4-16: catches a
-    packed layout that depends on the row count (garbage), a wrong bias, or rows outside 4-16
-    sent to the packed kernel (where it measured slower) - and checks the packed kernel ran."""
+def test_packed_fp32_linear_matches_fp64_at_every_row_count(bias: bool, backend: str) -> None:
+    """The packed weight is made once (for 16 rows) and used at every row count it serves (MKL's
+    4-16, oneDNN's all): catches a packed layout that depends on the row count (garbage), a wrong
+    bias, or rows outside MKL's 4-16 sent to its packed kernel (where it measured slower) - and
+    checks the packed kernel ran."""
     torch.manual_seed(0)
     lin = nn.Linear(256, 384, bias=bias)
-    packed = MklPackedLinear(lin)
+    packed = PackedFp32Linear(lin, backend)  # type: ignore[arg-type]
+    expected_rows = range(4, 17) if backend == "mkl" else range(1, 34)
     ref_w = lin.weight.detach().double()
     for rows in range(1, 34):
         x = torch.randn(rows, 256)
@@ -73,7 +79,7 @@ def test_mkl_packed_linear_matches_fp64_at_every_row_count(bias: bool) -> None:
         with torch.no_grad():
             got = packed(x)
         assert (got.double() - ref).abs().max() < 1e-4, rows
-        assert _ran_packed_gemm(lambda x=x: packed(x)) == (rows in MklPackedLinear.PACKED_ROWS), rows
+        assert _ran_packed_gemm(lambda x=x: packed(x), backend) == (rows in expected_rows), rows
     x3 = torch.randn(2, 3, 256)  # leading dims flatten to 6 rows
     assert torch.allclose(packed(x3), lin(x3), atol=1e-5)
 
@@ -98,7 +104,7 @@ def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings untouched
 
 
-@pytest.mark.parametrize("kind", ["linear", "mkl_packed", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["linear", "mkl_packed", "onednn_packed", "int8", "int4"])
 def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None:
     """q/k/v fused into one call give exactly the separate outputs (the fast path relies on it)."""
     from torch import nn
@@ -107,14 +113,15 @@ def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None
         FusedSlice,
         Int4WeightOnlyLinear,
         Int8WeightOnlyLinear,
-        MklPackedLinear,
+        PackedFp32Linear,
         fuse_linears,
     )
 
     torch.manual_seed(0)
     make = {
         "linear": lambda m: m,
-        "mkl_packed": MklPackedLinear,
+        "mkl_packed": lambda m: PackedFp32Linear(m, "mkl"),
+        "onednn_packed": lambda m: PackedFp32Linear(m, "onednn"),
         "int8": Int8WeightOnlyLinear,
         "int4": lambda m: Int4WeightOnlyLinear(m, 32),
     }[kind]
