@@ -25,6 +25,7 @@ __all__ = [
     "Int8WeightOnlyLinear",
     "PackedFp32Linear",
     "QuantMethod",
+    "cpu_is_intel",
     "direct_kernel",
     "fp32_gemm_backend",
     "fuse_linears",
@@ -69,11 +70,29 @@ class Int8WeightOnlyLinear(nn.Module):
 INT4_CPU_PACK_BLOCK = 64
 """Output channels per block of ``_convert_weight_to_int4pack_for_cpu``'s layout."""
 
-TILED_INT4_MIN_ROWS = 5
+
+@functools.cache
+def cpu_is_intel() -> bool:
+    """Whether this host's CPU is Intel's: some kernel choices below were measured to flip with the
+    vendor (MKL's dispatch, FMA throughput), and are fixed per vendor, not timed at each start."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return "intel" in platform.processor().lower()
+
+
+TILED_INT4_MIN_ROWS = 5 if cpu_is_intel() else 32
 """From this many rows the packed int4 projections run ``tiered_router::int4_mm`` (see
-``tiers/cpu_kernels.py``) instead of torch's kernel. Same bits either way; on this repo's 2-core
-AVX512 host (benchmarks/results/linear_kernels.json) the tiled kernel measured 1.5-1.8x faster at
-16 rows, about even at 4 and slower at 1-2 rows, where dequantizing into a tile does not pay."""
+``tiers/cpu_kernels.py``) instead of torch's kernel. Same bits either way, so this is a speed
+choice only. On the 2-core Intel Xeon (AVX512, two 512-bit FMA ports) VMs of earlier runs the tiled
+kernel measured 1.5-1.8x faster at 16 rows, about even at 4 and slower at 1-2 rows, where
+dequantizing into a tile does not pay. On the AMD EPYC (Zen 4: 512-bit FMAs at half that rate)
+VM both kernels are bound by the same multiply-adds and the tiled one's saving on dequantizing
+barely shows: per shape it measured 0.8-0.97x torch's at 16 rows, about even at 24-32 and
+1.1-1.4x from 40 (benchmarks/results/linear_kernels.json, ``int4_g64_torch``); in-process the
+small tier's decode step at 16 sequences took 62 ms with it and 43 ms without, a 40-token prefill
+56 vs 66 ms. So from 32 rows there: prompt chunks, not decode batches."""
 
 
 def _tiled_int4_op(out_features: int) -> Any | None:
@@ -171,7 +190,6 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
 Fp32Backend = Literal["mkl", "onednn"]
 
 
-@functools.cache
 def fp32_gemm_backend() -> Fp32Backend:
     """Which packed fp32 GEMM this CPU runs faster: MKL's on Intel, oneDNN's elsewhere.
 
@@ -182,12 +200,7 @@ def fp32_gemm_backend() -> Fp32Backend:
     On the Intel Xeon VMs of earlier runs MKL was the faster one (a oneDNN decode step at one row
     measured 42 vs 32 ms), so Intel keeps it. A fixed rule rather than timing both at load: the
     kernel, and so the last bits of every logit, must not change from one start to the next."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
-    except OSError:
-        intel = "intel" in platform.processor().lower()
-    return "mkl" if intel or not onednn_fp32_supported() else "onednn"
+    return "mkl" if cpu_is_intel() or not onednn_fp32_supported() else "onednn"
 
 
 class PackedFp32Linear(nn.Module):
