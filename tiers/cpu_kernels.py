@@ -3,7 +3,10 @@
 Why a build step: the kernels here are C++ with AVX512 intrinsics, each bitwise equal to the torch
 ops it replaces - ``tiered_router::int4_mm`` (int4_mm.cpp: a tiled int4 GEMM that dequantizes
 each weight group once for all rows) and ``tiered_router::add_rms_norm`` (rms_norm.cpp: the
-residual add and HF's RMSNorm in one pass instead of ~8 torch ops). ``make install`` compiles them
+residual add and HF's RMSNorm in one pass instead of ~8 torch ops) - and
+``tiered_router::paged_attention`` (paged_attention.cpp: attention of a few query tokens per row
+read in place from the paged KV pool, fp32 softmax; not bitwise torch's flash kernel, which it
+replaces only on the fast path's short-query groups). ``make install`` compiles them
 into one shared object with the system C++ compiler against the installed torch (``python -m
 tiers.cpu_kernels``); its name carries a hash of every source, torch's version and the flags, so a
 stale build is never loaded. Where it is not built (an image without a compiler) or cannot apply
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_rms_norm_op", "build", "int4_mm_op", "library_path"]
+__all__ = ["add_rms_norm_op", "build", "int4_mm_op", "library_path", "paged_attention_op"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,13 @@ def add_rms_norm_op() -> Any | None:
     """``torch.ops.tiered_router.add_rms_norm(h, delta, weight, eps) -> (h + delta, norm)``, the
     fused residual add + HF RMSNorm, when built and applicable here, else ``None``."""
     return torch.ops.tiered_router.add_rms_norm if _library_loaded() else None
+
+
+def paged_attention_op() -> Any | None:
+    """``torch.ops.tiered_router.paged_attention(q, pool, block_table, starts, q_len, scale)``,
+    causal attention of ``q_len`` queries per row over one layer's paged KV pool, when built and
+    applicable here, else ``None``."""
+    return torch.ops.tiered_router.paged_attention if _library_loaded() else None
 
 
 def main() -> int:

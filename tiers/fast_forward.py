@@ -8,7 +8,10 @@ set the floor on how cheap a draft step could be. This path calls the same weigh
 variant HF supports is computed by HF), and attention laid out as HF's SDPA integration does it.
 
 It reproduces HF's arithmetic op for op (fp32 RMSNorm statistics, the same rotary formula, SDPA
-with the same mask), so logits match the generic path to float noise; ``tests/tiers`` checks that
+with the same mask), so logits match the generic path to float noise; on AVX512 CPUs short query
+groups (decode, verification, short chunks) instead run the paged attention kernel
+(``tiers/csrc/paged_attention.cpp``: fp32 softmax over the pool in place), equal to SDPA within
+float noise in fp32 and bf16 noise in bf16; ``tests/tiers`` checks that
 on tiny Llama and Qwen2 models. Anything else - other architectures, sliding windows, attention
 softcapping - keeps the generic path.
 """
@@ -26,6 +29,11 @@ if TYPE_CHECKING:
 __all__ = ["FastDecoder", "supports_fast_path"]
 
 _SUPPORTED = {"llama", "qwen2", "mistral"}
+
+# Query tokens per row up to which the paged attention kernel replaces gather + SDPA: decode (1),
+# speculative verification (k + 1) and short prefill chunks. Its per-key dot products beat the flash
+# kernel's setup for these; long prefills, where SDPA's blocked GEMMs pay, keep SDPA.
+PAGED_ATTENTION_MAX_Q_LEN = 64
 
 
 def supports_fast_path(model: Any) -> bool:
@@ -57,6 +65,23 @@ class FastDecoder:
         self.norm_weight = self.base.norm.weight
         self.norm_eps = self.base.norm.variance_epsilon
         self._fused_norm = self._fused_norm_op()
+        self._paged_attention = self._paged_attention_op()
+
+    def _paged_attention_op(self) -> Any | None:
+        """The paged attention kernel where it applies: a CPU pool, head sizes it is built for."""
+        from tiers import cpu_kernels
+
+        op = cpu_kernels.paged_attention_op()
+        if op is None or self.base.embed_tokens.weight.device.type != "cpu":
+            return None
+        if self.head_dim not in (16, 32, 64, 128) or self.group > 8:
+            return None
+        return op
+
+    def paged_attention_serves(self, q_len: int) -> bool:
+        """Whether attention of a group with ``q_len`` queries per row runs the paged kernel
+        (then the group needs no mask and no gathered copy of its blocks)."""
+        return self._paged_attention is not None and q_len <= PAGED_ATTENTION_MAX_Q_LEN
 
     def _fused_norm_op(self) -> Any | None:
         """The fused residual add + RMSNorm kernel where it applies: CPU weights, norm weights in
@@ -188,6 +213,15 @@ class FastDecoder:
             out = torch.empty((n, heads, dim), dtype=q.dtype, device=q.device) if len(groups) > 1 else None
             for g in groups:
                 rows, t = g.num_rows, g.q_len
+                if g.mask is None:  # the paged kernel reads the pool in place (paged_attention_serves)
+                    assert self._paged_attention is not None
+                    q_rows, tables = q[g.first : g.first + rows * t], g.block_idx.view(rows, -1)
+                    attn = self._paged_attention(q_rows, pool, tables, g.starts, t, self.scale)
+                    if out is None:
+                        out = attn
+                    else:
+                        out[g.first : g.first + rows * t] = attn
+                    continue
                 kv = pool.index_select(0, g.block_idx).view(rows, g.kv_len, 2, kv_heads, dim)
                 keys = kv[:, :, 0].transpose(1, 2).to(q.dtype)  # [rows, kv_heads, kv_len, dim]
                 values = kv[:, :, 1].transpose(1, 2).to(q.dtype)

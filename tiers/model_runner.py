@@ -61,10 +61,13 @@ class AttnGroup:
     """``[num_rows * num_blocks]``: pool blocks to gather, row-major (padded with the scratch block)."""
     kv_len: int
     """Gathered positions per row (``num_blocks * block_size``)."""
-    mask: torch.Tensor
+    starts: torch.Tensor
+    """``[num_rows]`` int64 (CPU): position of each row's first query token."""
+    mask: torch.Tensor | None
     """``[num_rows, 1, group * q_len, kv_len]`` additive (0 / -inf, the activations' dtype), query
     axis in GQA-folded order. Built once per forward: a bool mask would be turned into this inside
-    every layer's attention call (the same values, so the same result)."""
+    every layer's attention call (the same values, so the same result). ``None`` where the paged
+    attention kernel serves the group: it derives causality from ``starts``."""
 
 
 def kv_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
@@ -231,15 +234,18 @@ class ModelRunner:
             num_blocks = max(self.blocks.blocks_for(r.start + q_len) for r in members)
             kv_len = num_blocks * bs
             starts = torch.tensor([r.start for r in members], dtype=torch.long)
-            q_pos = starts[:, None] + torch.arange(q_len)[None, :]  # [rows, q_len]
-            # mask[r, 0, g*q_len + t, j]: query t of row r sees key j iff j <= its position.
-            mask = torch.arange(kv_len)[None, None, :] <= q_pos[:, :, None]  # [rows, q_len, kv_len]
-            mask = (
-                mask[:, None]
-                .expand(len(members), group, q_len, kv_len)
-                .reshape(len(members), 1, group * q_len, kv_len)
-            )
-            additive = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+            additive: torch.Tensor | None = None
+            if not self.fast.paged_attention_serves(q_len):
+                q_pos = starts[:, None] + torch.arange(q_len)[None, :]  # [rows, q_len]
+                # mask[r, 0, g*q_len + t, j]: query t of row r sees key j iff j <= its position.
+                mask = torch.arange(kv_len)[None, None, :] <= q_pos[:, :, None]  # [rows, q_len, kv_len]
+                mask = (
+                    mask[:, None]
+                    .expand(len(members), group, q_len, kv_len)
+                    .reshape(len(members), 1, group * q_len, kv_len)
+                )
+                zeros = torch.zeros(mask.shape, dtype=self.dtype)
+                additive = zeros.masked_fill_(~mask, float("-inf")).to(self.device)
             groups.append(
                 AttnGroup(
                     first,
@@ -247,7 +253,8 @@ class ModelRunner:
                     q_len,
                     self._block_idx(members, num_blocks).to(self.device),
                     kv_len,
-                    additive.to(self.device),
+                    starts,
+                    additive,
                 )
             )
             i = j

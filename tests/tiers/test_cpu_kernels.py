@@ -2,7 +2,8 @@
 
 The tiled int4 GEMM against torch's own int4 kernel: bit-for-bit at every row count, shape and group
 size the tiers use, and actually serving the int4 projections from ``TILED_INT4_MIN_ROWS`` rows.
-The fused residual add + RMSNorm against HF's ``LlamaRMSNorm`` and torch's add: bit-for-bit."""
+The fused residual add + RMSNorm against HF's ``LlamaRMSNorm`` and torch's add: bit-for-bit. The
+paged attention kernel against an fp64 reference (it is not bitwise torch's flash kernel)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,81 @@ def test_int4_layers_switch_to_it_from_the_row_threshold_with_the_same_bits(
         keys = _profiled_keys(lambda: lin(x_many))
         assert "tiered_router::int4_mm" not in keys
         assert torch.equal(lin(x_many), tiled_out)
+
+
+def _attention_fp64(
+    q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, q_len: int, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention in fp64, one query at a time, keys looked up position by position: an
+    independent reading of the block table (no gather of whole blocks, no mask tensor)."""
+    bs, kv_heads, heads = pool.shape[1], pool.shape[3], q.shape[1]
+    out = []
+    for r in range(table.shape[0]):
+        for t in range(q_len):
+            pos = torch.arange(int(starts[r]) + t + 1)
+            kv = pool[table[r][pos // bs], pos % bs].double()  # [visible, 2, kv_heads, dim]
+            k = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [visible, heads, dim]
+            v = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1)
+            p = (torch.einsum("hd,jhd->hj", q[r * q_len + t].double(), k) * scale).softmax(-1)
+            out.append(torch.einsum("hj,jhd->hd", p, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+    ids=["bf16", "fp32", "bf16-q-fp32-kv"],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (8, 1, 128), (4, 4, 32)])
+@pytest.mark.parametrize("q_len", [1, 5, 40])
+def test_paged_attention_matches_an_fp64_reference(
+    threads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int, q_len: int
+) -> None:
+    """Rows of different lengths (0 to 150 earlier positions) over shuffled blocks, NaN in every
+    pool slot a query must not see. Catches a wrong block/offset lookup, a query seeing a later
+    token or a padded slot (NaN), a GQA head paired with the wrong KV head, and a lost tail of the
+    vectorised exp (lengths not multiples of 16)."""
+    op = cpu_kernels.paged_attention_op()
+    assert op is not None
+    torch.manual_seed(q_len * 131 + dim)
+    bs, starts = 16, torch.tensor([0, 150, 17, 33])
+    per_row = [(int(s) + q_len + bs - 1) // bs for s in starts]
+    width = max(per_row)
+    pool = torch.full((sum(per_row) + 3, bs, 2, kv_heads, dim), float("nan"))
+    order = torch.randperm(pool.shape[0])
+    table = torch.zeros(len(starts), width, dtype=torch.long)
+    used = 0
+    for r, n in enumerate(per_row):
+        table[r, :n] = order[used : used + n]
+        used += n
+        visible = int(starts[r]) + q_len
+        for j in range(visible):  # only the slots some query of this row sees hold data
+            pool[table[r, j // bs], j % bs] = torch.randn(2, kv_heads, dim) * 4
+    pool = pool.to(kv_dtype)
+    # A strided view of a [tokens, heads + kv_heads, dim] tensor, as the fast path passes q.
+    q = (torch.randn(len(starts) * q_len, heads + kv_heads, dim) * 4).to(q_dtype)[:, :heads]
+    got = op(q, pool, table, starts, q_len, dim**-0.5)
+    want = _attention_fp64(q, pool, table, starts, q_len, dim**-0.5)
+    assert got.dtype == q_dtype and not torch.isnan(got).any()
+    # fp32 scores of magnitude ~50 carry ~1e-5 absolute error into exp; bf16 adds one final rounding.
+    atol, rtol = (5e-5, 1e-4) if q_dtype == torch.float32 else (8e-3, 8e-3)
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+
+
+def test_paged_attention_refuses_inputs_it_would_misread_with_the_reason() -> None:
+    """A block index outside the pool would read foreign memory; a row longer than its table, a
+    token count that is not rows * q_len or an unsupported head size would be misread silently."""
+    op = cpu_kernels.paged_attention_op()
+    assert op is not None
+    pool = torch.zeros(4, 16, 2, 2, 64)
+    q = torch.zeros(2, 4, 64)
+    table = torch.tensor([[0, 1], [2, 3]])
+    op(q, pool, table, torch.tensor([5, 31]), 1, 0.125)  # the valid call runs
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, pool, torch.tensor([[0, 1], [2, 9]]), torch.tensor([5, 31]), 1, 0.125)
+    with pytest.raises(RuntimeError, match="past its block table"):
+        op(q, pool, table, torch.tensor([5, 32]), 1, 0.125)
+    with pytest.raises(RuntimeError, match="rows \\* q_len"):
+        op(q, pool, table, torch.tensor([5, 31]), 2, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        op(torch.zeros(2, 4, 48), torch.zeros(4, 16, 2, 2, 48), table, torch.tensor([5, 31]), 1, 0.125)

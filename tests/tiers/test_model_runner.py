@@ -78,6 +78,9 @@ def test_fast_and_generic_paths_agree(tiny_model_dir: Path, quantization: str) -
     fast = runner(tiny_model_dir, quantization=quantization)
     generic = runner(tiny_model_dir, fast_path=False, quantization=quantization)
     assert fast.fast is not None
+    # Attention as HF computes it (SDPA), so a 1e-5 bound isolates the projections' wiring; the
+    # paged attention kernel has its own tests against an fp64 reference and against this path.
+    fast.fast._paged_attention = None
     calls = [
         c
         for layer in fast.fast.layers
@@ -125,6 +128,56 @@ def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
     b = fast.forward([RowInput(table(fast, 20), 0, ids, "all")])[0]
     assert a is not None and b is not None
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU kernels are built for AVX512 hosts"
+)
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_paged_attention_kernel_serves_short_queries_and_agrees_with_sdpa(
+    tiny_model_dir: Path, quantization: str
+) -> None:
+    """Decode rows and short chunks run the paged kernel in every layer (profiled, no SDPA call, no
+    mask built), a prefill longer than PAGED_ATTENTION_MAX_Q_LEN keeps SDPA, and the logits agree
+    with the SDPA path (fp32: to float noise; bf16 activations: within bf16 noise, same argmax).
+    Catches the kernel wired to the wrong layer's pool or block table, rows of a mixed batch
+    attending to each other's blocks, and the fast path silently falling back to SDPA."""
+    from torch.profiler import profile
+
+    from tiers import fast_forward
+
+    fast = runner(tiny_model_dir, quantization=quantization, num_blocks=128)
+    assert fast.fast is not None and fast.fast._paged_attention is not None, "run `make kernels`"
+    layers = len(fast.fast.layers)
+    long_q = fast_forward.PAGED_ATTENTION_MAX_Q_LEN + 1
+    t1, t2, t3 = table(fast, 40), table(fast, 12), table(fast, long_q)
+
+    def step(r: ModelRunner, prefill: bool) -> list[torch.Tensor | None]:
+        if prefill:
+            return r.forward([RowInput(t1, 0, list(range(3, 39)), "all"), RowInput(t2, 0, [9] * 11, "all")])
+        return r.forward([RowInput(t1, 36, [5], "last"), RowInput(t2, 11, [7], "last")])
+
+    with profile() as prof:
+        a_prefill, a_decode = step(fast, True), step(fast, False)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("tiered_router::paged_attention") == 3 * layers  # two groups (q_len 36, 11), then one
+    assert "aten::scaled_dot_product_attention" not in calls
+    with profile() as prof:
+        fast.forward([RowInput(t3, 0, list(range(long_q)), "last")])
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert "tiered_router::paged_attention" not in calls
+    assert calls["aten::scaled_dot_product_attention"] == layers
+
+    sdpa = runner(tiny_model_dir, quantization=quantization, num_blocks=128)
+    assert sdpa.fast is not None
+    sdpa.fast._paged_attention = None
+    t1, t2 = table(sdpa, 40), table(sdpa, 12)
+    b_prefill, b_decode = step(sdpa, True), step(sdpa, False)
+    tol = 1e-5 if quantization == "none" else 0.15  # bf16: a few ulps of logits of magnitude ~5
+    for x, y in zip([*a_prefill, *a_decode], [*b_prefill, *b_decode], strict=True):
+        assert x is not None and y is not None
+        torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
