@@ -45,7 +45,7 @@ def _sources() -> list[Path]:
 def library_path() -> Path:
     """Where the build for this source, torch and flag set lives (whether or not it exists)."""
     h = hashlib.sha256()
-    for src in _sources():
+    for src in [*_sources(), *sorted(_SOURCE_DIR.glob("*.h"))]:  # headers too: they are compiled in
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())

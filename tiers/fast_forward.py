@@ -68,13 +68,16 @@ class FastDecoder:
         self._paged_attention = self._paged_attention_op()
 
     def _paged_attention_op(self) -> Any | None:
-        """The paged attention kernel where it applies: a CPU pool, head sizes it is built for."""
+        """The paged attention kernel where it applies: a CPU pool of bf16 or fp32, head sizes and
+        GQA groups it is built for."""
         from tiers import cpu_kernels
 
         op = cpu_kernels.paged_attention_op()
         if op is None or self.base.embed_tokens.weight.device.type != "cpu":
             return None
         if self.head_dim not in (16, 32, 64, 128) or self.group > 8:
+            return None
+        if self.dtype not in (torch.bfloat16, torch.float32):  # the pool has the model's dtype
             return None
         return op
 

@@ -109,10 +109,10 @@ def test_fused_add_rms_norm_refuses_mixed_dtypes_with_the_reason() -> None:
 
 
 def test_a_changed_source_never_loads_the_old_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The library's name hashes every source: editing any one kernel gets a new path, so a stale
+    """The library's name hashes every source and header: editing any one gets a new path, so a stale
     .so from before the edit is not picked up."""
     before = cpu_kernels.library_path()
-    sources = sorted(cpu_kernels._SOURCE_DIR.glob("*.cpp"))
+    sources = sorted([*cpu_kernels._SOURCE_DIR.glob("*.cpp"), *cpu_kernels._SOURCE_DIR.glob("*.h")])
     assert sources, "no kernel sources found"
     for src in sources:
         (tmp_path / src.name).write_bytes(src.read_bytes())

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -31,16 +33,11 @@
 
 namespace {
 
+using tiered_router::bf16_to_float;
+
 constexpr int kBlockN = 64;   // output channels per packed block
 constexpr int kTaskN = 32;    // channels per task: half a block (one 16-byte lane pair)
 constexpr int kMaxRows = 12;  // rows per register tile: 24 accumulators + 2 weight vectors + 1
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // Round-to-nearest-even fp32 -> bf16 of 16 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
 inline __m256i float_to_bf16(__m512 v) {

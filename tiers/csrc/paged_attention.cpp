@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,23 +30,10 @@
 
 namespace {
 
+using tiered_router::float_to_bf16;
+
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxGroup = 8;     // query heads per KV head held in registers
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN -> 0x7fc0 (c10::BFloat16)
-  if (std::isnan(f)) return 0x7fc0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t lsb = (bits >> 16) & 1u;
-  return static_cast<uint16_t>((bits + 0x7fffu + lsb) >> 16);
-}
 
 template <typename T>
 inline __m512 load16(const T* p);

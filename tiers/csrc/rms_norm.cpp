@@ -20,6 +20,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,20 +29,8 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN -> 0x7fc0 (c10::BFloat16)
-  if (std::isnan(f)) return 0x7fc0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t lsb = (bits >> 16) & 1u;
-  return static_cast<uint16_t>((bits + 0x7fffu + lsb) >> 16);
-}
+using tiered_router::bf16_to_float;
+using tiered_router::float_to_bf16;
 
 // torch registers its AVX2 sum kernel for AVX512 hosts too (it measured faster), so the order to
 // reproduce is that of 8-lane vectors.
