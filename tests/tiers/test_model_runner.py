@@ -12,6 +12,11 @@ from tiers.block_manager import BlockTable
 from tiers.loading import load_model
 from tiers.model_runner import ModelRunner, RowInput
 
+# The project's CPU kernels (tiers/csrc) are built for, and used only on, AVX512 hosts.
+avx512_kernels = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU kernels are built for AVX512 hosts"
+)
+
 
 def runner(
     model_dir: Path, *, fast_path: bool = True, num_blocks: int = 64, quantization: str = "none"
@@ -104,9 +109,7 @@ def test_fast_and_generic_paths_agree(tiny_model_dir: Path, quantization: str) -
         assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
-@pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the fused norm kernel is for AVX512 hosts"
-)
+@avx512_kernels
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
     tiny_model_dir: Path, quantization: str
@@ -130,9 +133,7 @@ def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
     assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU kernels are built for AVX512 hosts"
-)
+@avx512_kernels
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_paged_attention_kernel_serves_short_queries_and_agrees_with_sdpa(
     tiny_model_dir: Path, quantization: str

@@ -8,7 +8,7 @@
 // visible keys through the block table, once for all query heads of its GQA group.
 //
 // Arithmetic (not bitwise equal to torch's flash kernel, whose blocking and bf16 rounding of the
-// probabilities differ; tests compare against an fp64 reference and HF's eager attention):
+// probabilities differ; tests compare against an fp64 reference and the SDPA path):
 // scores s_j = (q . k_j) * scale in fp32, softmax in fp32 with the row max subtracted, the output
 // sum_j p_j v_j accumulated in fp32 and divided by sum_j p_j, rounded once to the output dtype.
 // Query token t of a row at start position s sees keys 0..s+t (the row's earlier context plus the
@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -232,8 +231,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& pool_in, 
   TORCH_CHECK(kt == at::kFloat || kt == at::kBFloat16, "paged_attention: pool must be fp32 or bf16");
   const int64_t width = table.size(1), bs = pool.size(1);
   const auto* sp = starts.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-  {
+  for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(sp[r] >= 0 && sp[r] + q_len <= width * bs, "paged_attention: row ", r, " sees past its block table");
     // A block index outside the pool would read foreign memory: check the ones this row reads.
     const int64_t* tr = table.data_ptr<int64_t>() + r * width;
