@@ -138,8 +138,8 @@ def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
 def test_paged_attention_kernel_serves_short_queries_and_agrees_with_sdpa(
     tiny_model_dir: Path, quantization: str
 ) -> None:
-    """Decode rows and short chunks run the paged kernel in every layer (profiled, no SDPA call, no
-    mask built), a prefill longer than PAGED_ATTENTION_MAX_Q_LEN keeps SDPA, and the logits agree
+    """Decode rows and short chunks run the paged kernel in every layer (profiled, no SDPA
+    call), a prefill longer than PAGED_ATTENTION_MAX_Q_LEN keeps SDPA, and the logits agree
     with the SDPA path (fp32: to float noise; bf16 activations: within bf16 noise, same argmax).
     Catches the kernel wired to the wrong layer's pool or block table, rows of a mixed batch
     attending to each other's blocks, and the fast path silently falling back to SDPA."""
