@@ -1,8 +1,9 @@
 """Build and load the project's own CPU kernels (``tiers/csrc``), with torch's ops as the fallback.
 
-Why a build step: the kernels here are C++ with AVX512 intrinsics, each bitwise equal to the torch
-ops it replaces - ``tiered_router::int4_mm`` (int4_mm.cpp: a tiled int4 GEMM that dequantizes
-each weight group once for all rows) and ``tiered_router::add_rms_norm`` (rms_norm.cpp: the
+Why a build step: the kernels here are C++ with AVX512 or AVX2 intrinsics (one build per host, for
+the instruction set torch dispatches there), each bitwise equal to the torch ops it replaces -
+``tiered_router::int4_mm`` (int4_mm.cpp: a tiled int4 GEMM that dequantizes each weight group once
+for all rows) and ``tiered_router::add_rms_norm`` (rms_norm.cpp: the
 residual add and HF's RMSNorm in one pass instead of ~8 torch ops) - and
 ``tiered_router::paged_attention`` (paged_attention.cpp: attention of a few query tokens per row
 read in place from the paged KV pool, fp32 softmax; not bitwise torch's flash kernel, which it
@@ -10,8 +11,8 @@ replaces only on the fast path's short-query groups). ``make install`` compiles 
 into one shared object with the system C++ compiler against the installed torch (``python -m
 tiers.cpu_kernels``); its name carries a hash of every source, torch's version and the flags, so a
 stale build is never loaded. Where it is not built (an image without a compiler) or cannot apply
-(no AVX512 dispatch in torch), callers get ``None`` and keep using torch's ops - slower, the same
-numbers.
+(torch dispatches neither AVX512 nor AVX2), callers get ``None`` and keep using torch's ops - slower,
+the same numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_rms_norm_op", "build", "int4_mm_op", "library_path", "paged_attention_op"]
+__all__ = [
+    "ISA_FLAGS",
+    "add_rms_norm_op",
+    "build",
+    "host_isa",
+    "int4_mm_op",
+    "library_path",
+    "paged_attention_op",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,30 +43,52 @@ _SOURCE_DIR = Path(__file__).with_name("csrc")
 _BUILD_DIR = _SOURCE_DIR / "build"
 # -ffp-contract=off: the kernels promise torch's exact roundings, so the compiler must not fuse a
 # separate multiply and add into one FMA.
-_FLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
-_FLAGS += ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
+_BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma", "-mf16c"),
+}
+"""Compiler flags per instruction set, keyed by ``torch.backends.cpu.get_cpu_capability()``.
+
+Why the build follows torch's dispatch rather than the CPU's flags: int4_mm.cpp reproduces the
+arithmetic and packed layout of the int4 kernel torch runs on this host, and those differ between
+torch's AVX512 and AVX2 builds; compiling for the same instruction set keeps the two in step."""
+
+
+def host_isa() -> str | None:
+    """The instruction set torch dispatches on this host, where the kernels have a build for it."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in ISA_FLAGS else None
+
+
+def _flags(isa: str | None = None) -> tuple[str, ...]:
+    return _BASE_FLAGS + ISA_FLAGS[isa or host_isa() or "AVX2"]
 
 
 def _sources() -> list[Path]:
     return sorted(_SOURCE_DIR.glob("*.cpp"))
 
 
-def library_path() -> Path:
-    """Where the build for this source, torch and flag set lives (whether or not it exists)."""
+def library_path(isa: str | None = None) -> Path:
+    """Where the build for this source, torch and instruction set (the host's by default) lives,
+    whether or not it exists."""
     h = hashlib.sha256()
     for src in [*_sources(), *sorted(_SOURCE_DIR.glob("*.h"))]:  # headers too: they are compiled in
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
-    h.update(" ".join(_FLAGS).encode())
-    return _BUILD_DIR / f"tiered_router_kernels-{h.hexdigest()[:16]}.so"
+    flags = _flags(isa)
+    h.update(" ".join(flags).encode())
+    name = (isa or host_isa() or "AVX2").lower()
+    return _BUILD_DIR / f"tiered_router_kernels-{name}-{h.hexdigest()[:16]}.so"
 
 
-def build(compiler: str = "g++") -> Path:
-    """Compile the kernel library if this exact build is missing; return its path.
+def build(compiler: str = "g++", isa: str | None = None) -> Path:
+    """Compile the kernel library for ``isa`` (the host's by default) if this exact build is
+    missing; return its path.
 
     Raises ``subprocess.CalledProcessError`` (with the compiler's output) when compiling fails."""
-    out = library_path()
+    out = library_path(isa)
     if out.exists():
         return out
     from torch.utils import cpp_extension
@@ -66,7 +97,7 @@ def build(compiler: str = "g++") -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [
         compiler,
-        *_FLAGS,
+        *_flags(isa),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         *(str(src) for src in _sources()),
@@ -80,7 +111,8 @@ def build(compiler: str = "g++") -> Path:
     tmp = out.with_suffix(".tmp.so")
     subprocess.run([*cmd, str(tmp)], check=True, capture_output=True, text=True)
     tmp.replace(out)  # atomic: a concurrent loader never sees a half-written library
-    for old in out.parent.glob("tiered_router_kernels-*.so"):
+    prefix = out.name.rsplit("-", 1)[0]  # older builds for the same instruction set
+    for old in out.parent.glob(f"{prefix}-*.so"):
         if old != out:
             old.unlink(missing_ok=True)
     return out
@@ -90,10 +122,10 @@ def build(compiler: str = "g++") -> Path:
 def _library_loaded() -> bool:
     """Loads the build once; False where it is missing or cannot apply.
 
-    Applicable means torch dispatches its AVX512 kernels on this CPU: the build is compiled for
-    AVX512, and its kernels reproduce the arithmetic of the torch kernels that run there bit for
-    bit, so swapping between them never changes an output."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _sources():
+    Applicable means torch dispatches its AVX512 or AVX2 kernels on this CPU: the build is
+    compiled for that instruction set, and its kernels reproduce the arithmetic of the torch
+    kernels that run there bit for bit, so swapping between them never changes an output."""
+    if host_isa() is None or not _sources():
         return False
     path = library_path()
     if not path.exists():
@@ -123,6 +155,10 @@ def paged_attention_op() -> Any | None:
 
 
 def main() -> int:
+    if host_isa() is None:
+        cap = torch.backends.cpu.get_cpu_capability()
+        print(f"no CPU kernels for torch's {cap} dispatch; using torch's ops")
+        return 0
     try:
         path = build()
     except subprocess.CalledProcessError as e:

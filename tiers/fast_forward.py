@@ -8,7 +8,7 @@ set the floor on how cheap a draft step could be. This path calls the same weigh
 variant HF supports is computed by HF), and attention laid out as HF's SDPA integration does it.
 
 It reproduces HF's arithmetic op for op (fp32 RMSNorm statistics, the same rotary formula, SDPA
-with the same mask), so logits match the generic path to float noise; on AVX512 CPUs short query
+with the same mask), so logits match the generic path to float noise; on AVX512 and AVX2 CPUs short query
 groups (decode, verification, short chunks) instead run the paged attention kernel
 (``tiers/csrc/paged_attention.cpp``: fp32 softmax over the pool in place), equal to SDPA within
 float noise in fp32 and bf16 noise in bf16; ``tests/tiers`` checks that

@@ -82,17 +82,29 @@ def cpu_is_intel() -> bool:
         return "intel" in platform.processor().lower()
 
 
-TILED_INT4_MIN_ROWS = 5 if cpu_is_intel() else 32
+def _tiled_int4_min_rows() -> int:
+    from tiers.cpu_kernels import host_isa
+
+    if host_isa() == "AVX2":
+        return 4
+    return 5 if cpu_is_intel() else 32
+
+
+TILED_INT4_MIN_ROWS = _tiled_int4_min_rows()
 """From this many rows the packed int4 projections run ``tiered_router::int4_mm`` (see
 ``tiers/cpu_kernels.py``) instead of torch's kernel. Same bits either way, so this is a speed
-choice only. On the 2-core Intel Xeon (AVX512, two 512-bit FMA ports) VMs of earlier runs the tiled
-kernel measured 1.5-1.8x faster at 16 rows, about even at 4 and slower at 1-2 rows, where
-dequantizing into a tile does not pay. On the AMD EPYC (Zen 4: 512-bit FMAs at half that rate)
-VM both kernels are bound by the same multiply-adds and the tiled one's saving on dequantizing
-barely shows: per shape it measured 0.8-0.97x torch's at 16 rows, about even at 24-32 and
-1.1-1.4x from 40 (benchmarks/results/linear_kernels.json, ``int4_g64_torch``); in-process the
-small tier's decode step at 16 sequences took 62 ms with it and 43 ms without, a 40-token prefill
-56 vs 66 ms. So from 32 rows there: prompt chunks, not decode batches."""
+choice only, fixed per instruction set and CPU vendor (measured, not timed at each start):
+- AVX512, Intel: from 5. On the 2-core Intel Xeon (two 512-bit FMA ports) VMs of earlier runs the
+  tiled kernel measured 1.5-1.8x faster at 16 rows, about even at 4 and slower at 1-2 rows, where
+  dequantizing into a tile does not pay.
+- AVX512, AMD (Zen 4: 512-bit FMAs at half that rate): from 32. Both kernels are bound by the
+  same multiply-adds and the tiled one's saving on dequantizing barely shows: per shape it
+  measured 0.8-0.97x torch's at 16 rows, about even at 24-32 and 1.1-1.4x from 40; in-process the
+  small tier's decode step at 16 sequences took 62 ms with it and 43 ms without.
+- AVX2 (the 2-core AMD EPYC Zen 1 VM): from 4. torch's AVX2 build spends ~13 vector ops on
+  dequantizing 32 weights against 4 multiply-adds per row, so sharing the dequantized tile pays
+  early: SmolLM2's shapes measured 0.75-0.86x torch's at 1 row, 0.84-0.95x at 2, 1.0-1.66x at 4,
+  1.6-1.8x at 16 and 2.1x at 64 (1 and 2 threads, 30 weight copies cycled)."""
 
 
 def _tiled_int4_op(out_features: int) -> Any | None:

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiers import cpu_kernels
 from tiers.block_manager import BlockTable
 from tiers.loading import load_model
 from tiers.model_runner import ModelRunner, RowInput
 
 # The project's CPU kernels (tiers/csrc) are built for, and used only on, AVX512 hosts.
-avx512_kernels = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU kernels are built for AVX512 hosts"
+cpu_kernels_built = pytest.mark.skipif(
+    cpu_kernels.host_isa() is None, reason="the CPU kernels are built for AVX512 and AVX2 hosts"
 )
 
 
@@ -109,7 +110,7 @@ def test_fast_and_generic_paths_agree(tiny_model_dir: Path, quantization: str) -
         assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
-@avx512_kernels
+@cpu_kernels_built
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
     tiny_model_dir: Path, quantization: str
@@ -133,7 +134,7 @@ def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
     assert torch.equal(a, b)
 
 
-@avx512_kernels
+@cpu_kernels_built
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_paged_attention_kernel_serves_short_queries_and_agrees_with_sdpa(
     tiny_model_dir: Path, quantization: str

@@ -1,22 +1,30 @@
 // int4 weight-only GEMM for the CPU that dequantizes each weight group once for all rows.
 //
-// Why: torch's `_weight_int4pack_mm_for_cpu` (AVX512 build) walks the rows in blocks of four and
-// dequantizes every weight again for each block, so at 16 decode rows it dequantizes each weight
-// four times and spends about as many vector ops on dequantizing and broadcasting as on the
-// multiply-adds. This kernel takes the same packed weights and scales, dequantizes one group of
-// `group_size` inputs x 32 output channels into an L1-resident fp32 tile, then runs every row
-// against that tile.
+// Why: torch's `_weight_int4pack_mm_for_cpu` walks the rows in blocks of four and dequantizes every
+// weight again for each block, so at 16 decode rows it dequantizes each weight four times and
+// spends about as many vector ops on dequantizing and broadcasting as on the multiply-adds. This
+// kernel takes the same packed weights and scales, dequantizes one group of `group_size` inputs x
+// 32 output channels into an L1-resident fp32 tile, then runs every row against that tile.
 //
-// Bitwise contract: each output is the same chain of fp32 fused multiply-adds as torch's AVX512
-// kernel - accumulator starts at 0.0, k runs 0..K-1 in order, weight = fma(q - 8, scale, zero),
-// activation = (float)bf16, result rounded to bf16 to nearest-even - so the outputs equal torch's
-// bit for bit at every row count (tests/tiers/test_int4_kernel.py checks this against the torch
-// op). Python uses it only when torch dispatches its AVX512 kernel, whose arithmetic this is.
+// torch builds that kernel once per instruction set and picks one at run time; the two builds
+// differ in packed layout and in arithmetic, so this file has one variant for each, compiled by
+// the flags the build chooses for this host (tiers/cpu_kernels.py), and Python uses it only where
+// torch dispatches the matching build.
 //
-// Weight layout (torch's `_convert_weight_to_int4pack_for_cpu` on AVX512): for each block of 64
-// output channels, K rows of 32 bytes; byte d (0..15) holds channel d in its low nibble and
-// channel d+32 in its high nibble, byte 16+d holds channels 16+d and 48+d. Scales and zeros are
-// bf16 [K / group_size, N, 2].
+// Bitwise contract, both variants: each output is the same chain of fp32 fused multiply-adds as
+// torch's kernel - accumulator starts at 0.0, k runs 0..K-1 in order, activation = (float)bf16,
+// result rounded to bf16 to nearest-even (NaN -> 0xffff) - and the weight is dequantized with
+// torch's own roundings, so the outputs equal torch's bit for bit at every row count
+// (tests/tiers/test_cpu_kernels.py checks this against the torch op):
+// - AVX512: weight = fma(q - 8, scale, zero) (q - 8 by table lookup).
+// - AVX2:   weight = fma((float)q, scale, fma(scale, -8, zero)).
+//
+// Weight layouts (torch's `_convert_weight_to_int4pack_for_cpu` on each build):
+// - AVX512: for each block of 64 output channels, K rows of 32 bytes; byte d (0..15) holds channel
+//   d in its low nibble and channel d+32 in its high nibble, byte 16+d holds 16+d and 48+d.
+// - AVX2: for each block of 32 output channels, K rows of 16 bytes; byte d holds channel d in its
+//   low nibble and channel d+16 in its high nibble.
+// Scales and zeros are bf16 [K / group_size, N, 2] on both.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,12 +43,15 @@ namespace {
 
 using tiered_router::bf16_to_float;
 
+constexpr int kTaskN = 32;  // output channels per task: the width of one dequantized tile
+
+#if defined(__AVX512F__)
+
 constexpr int kBlockN = 64;   // output channels per packed block
-constexpr int kTaskN = 32;    // channels per task: half a block (one 16-byte lane pair)
 constexpr int kMaxRows = 12;  // rows per register tile: 24 accumulators + 2 weight vectors + 1
 
 // Round-to-nearest-even fp32 -> bf16 of 16 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
-inline __m256i float_to_bf16(__m512 v) {
+inline __m256i float_to_bf16x16(__m512 v) {
   const __m512i x = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
   const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
@@ -76,20 +87,18 @@ inline void rows_times_tile(const float* a, int lda, const float* tile, int G, f
   }
 }
 
-using TileFn = void (*)(const float*, int, const float*, int, float*);
-
-template <int... Rs>
-constexpr auto make_tile_fns(std::integer_sequence<int, Rs...>) {
-  return std::array<TileFn, sizeof...(Rs)>{&rows_times_tile<Rs + 1>...};
+// A task is half a 64-channel block: h = 0 takes the low 16 bytes of each K row (channels 0..15
+// low nibbles, 32..47 high), h = 1 the high 16 bytes (16..31, 48..63). Tile columns 0..15 are the
+// low nibbles, 16..31 the high ones.
+inline void task_channels(int64_t t, int& n_lo, int& n_hi) {
+  n_lo = static_cast<int>((t / 2) * kBlockN + 16 * (t % 2));
+  n_hi = n_lo + 32;
 }
 
-const auto kTileFns = make_tile_fns(std::make_integer_sequence<int, kMaxRows>{});
-
-// Dequantize group `g` of task channels into tile[G][32]: columns 0..15 are the low nibbles
-// (block channels 16h..16h+15), 16..31 the high nibbles (block channels 32+16h..).
-inline void dequant_group(
-    const uint8_t* wblock, int h, const uint16_t* sz, int N, int n_lo, int n_hi, int g, int G,
-    float* tile) {
+inline void dequant_group(const uint8_t* b, int64_t K, const uint16_t* sz, int N, int64_t t, int g, int G,
+                          float* tile) {
+  int n_lo, n_hi;
+  task_channels(t, n_lo, n_hi);
   // Each (scale, zero) bf16 pair is one 32-bit lane: scale in the low half, zero in the high
   // half; shifting each half to the top of its lane is the exact bf16 -> fp32 conversion.
   const uint16_t* row = sz + static_cast<int64_t>(g) * N * 2;
@@ -102,7 +111,7 @@ inline void dequant_group(
   const __m512 z_hi = _mm512_castsi512_ps(_mm512_and_si512(p_hi, top));
   // q -> (q - 8) by table lookup on the low 4 bits of each lane, as torch does.
   const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-  const uint8_t* src = wblock + static_cast<int64_t>(g) * G * 32 + 16 * h;
+  const uint8_t* src = b + (t / 2) * K * 32 + static_cast<int64_t>(g) * G * 32 + 16 * (t % 2);
   for (int k = 0; k < G; ++k) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * 32)));
     const __m512 lo = _mm512_permutexvar_ps(q, lut);
@@ -111,6 +120,93 @@ inline void dequant_group(
     _mm512_store_ps(tile + k * kTaskN + 16, _mm512_fmadd_ps(hi, s_hi, z_hi));
   }
 }
+
+inline void store_task(const float* acc, int64_t t, uint16_t* out) {
+  int n_lo, n_hi;
+  task_channels(t, n_lo, n_hi);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n_lo), float_to_bf16x16(_mm512_loadu_ps(acc)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n_hi), float_to_bf16x16(_mm512_loadu_ps(acc + 16)));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kBlockN = 32;  // output channels per packed block: one task
+constexpr int kMaxRows = 3;  // rows per register tile: 12 accumulators, weights read from L1
+
+// Round-to-nearest-even fp32 -> bf16 of 8 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
+inline __m128i float_to_bf16x8(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+  __m256i t = _mm256_srli_epi32(_mm256_add_epi32(x, bias), 16);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+  t = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), t, ordered);
+  return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+// acc[R rows][32 channels] += A[R rows][k0..k0+G) x tile[G][32], k in order.
+template <int R>
+inline void rows_times_tile(const float* a, int lda, const float* tile, int G, float* acc) {
+  __m256 c[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) c[r][j] = _mm256_loadu_ps(acc + r * kTaskN + 8 * j);
+  for (int k = 0; k < G; ++k) {
+    const float* w = tile + k * kTaskN;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 va = _mm256_broadcast_ss(a + r * lda + k);
+      for (int j = 0; j < 4; ++j) c[r][j] = _mm256_fmadd_ps(va, _mm256_load_ps(w + 8 * j), c[r][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + r * kTaskN + 8 * j, c[r][j]);
+}
+
+// A task is one 32-channel block; tile column c is channel 32t + c.
+inline void dequant_group(const uint8_t* b, int64_t K, const uint16_t* sz, int N, int64_t t, int g, int G,
+                          float* tile) {
+  const uint16_t* row = sz + (static_cast<int64_t>(g) * N + t * kBlockN) * 2;
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 s[4], z[4];
+  for (int j = 0; j < 4; ++j) {  // channels 8j..8j+7: one (scale, zero) pair per 32-bit lane
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j));
+    s[j] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+    // torch folds the -8 offset into the zero once per group: zero' = fma(scale, -8, zero).
+    z[j] = _mm256_fmadd_ps(s[j], _mm256_set1_ps(-8.0f), _mm256_castsi256_ps(_mm256_and_si256(p, top)));
+  }
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const uint8_t* src = b + t * K * 16 + static_cast<int64_t>(g) * G * 16;
+  for (int k = 0; k < G; ++k) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * 16));
+    const __m256i q0 = _mm256_cvtepu8_epi32(bytes);                     // bytes 0..7
+    const __m256i q1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 8..15
+    float* w = tile + k * kTaskN;
+    _mm256_store_ps(w + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low4)), s[0], z[0]));
+    _mm256_store_ps(w + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low4)), s[1], z[1]));
+    _mm256_store_ps(w + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), s[2], z[2]));
+    _mm256_store_ps(w + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), s[3], z[3]));
+  }
+}
+
+inline void store_task(const float* acc, int64_t t, uint16_t* out) {
+  for (int j = 0; j < 4; ++j)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + t * kBlockN + 8 * j), float_to_bf16x8(_mm256_loadu_ps(acc + 8 * j)));
+}
+
+#else
+#error "int4_mm.cpp needs AVX512F or AVX2+FMA (tiers/cpu_kernels.py picks the flags)"
+#endif
+
+using TileFn = void (*)(const float*, int, const float*, int, float*);
+
+template <int... Rs>
+constexpr auto make_tile_fns(std::integer_sequence<int, Rs...>) {
+  return std::array<TileFn, sizeof...(Rs)>{&rows_times_tile<Rs + 1>...};
+}
+
+const auto kTileFns = make_tile_fns(std::make_integer_sequence<int, kMaxRows>{});
 
 at::Tensor int4_mm(const at::Tensor& A, const at::Tensor& B, int64_t group_size, const at::Tensor& SZ) {
   TORCH_CHECK(A.dim() == 2 && A.scalar_type() == at::kBFloat16, "int4_mm: A must be 2-D bf16");
@@ -135,7 +231,7 @@ at::Tensor int4_mm(const at::Tensor& A, const at::Tensor& B, int64_t group_size,
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint16_t* cp = reinterpret_cast<uint16_t*>(C.data_ptr<at::BFloat16>());
   const int groups = static_cast<int>(K / G);
-  const int64_t tasks = (N / kBlockN) * 2;
+  const int64_t tasks = N / kTaskN;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc_buf(static_cast<size_t>(M) * kTaskN + 16);
@@ -143,26 +239,16 @@ at::Tensor int4_mm(const at::Tensor& A, const at::Tensor& B, int64_t group_size,
     float* acc = acc_buf.data();
     float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t nb = t / 2;
-      const int h = static_cast<int>(t % 2);
-      const int n_lo = static_cast<int>(nb * kBlockN + 16 * h);
-      const int n_hi = n_lo + 32;
-      const uint8_t* wblock = bp + nb * K * 32;
       std::memset(acc, 0, sizeof(float) * M * kTaskN);
       for (int g = 0; g < groups; ++g) {
-        dequant_group(wblock, h, szp, static_cast<int>(N), n_lo, n_hi, g, G, tile);
+        dequant_group(bp, K, szp, static_cast<int>(N), t, g, G, tile);
         for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
           kTileFns[rows - 1](af + m0 * K + static_cast<int64_t>(g) * G, static_cast<int>(K), tile, G,
                              acc + m0 * kTaskN);
         }
       }
-      for (int64_t m = 0; m < M; ++m) {
-        uint16_t* out = cp + m * N;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n_lo), float_to_bf16(_mm512_loadu_ps(acc + m * kTaskN)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n_hi),
-                            float_to_bf16(_mm512_loadu_ps(acc + m * kTaskN + 16)));
-      }
+      for (int64_t m = 0; m < M; ++m) store_task(acc + m * kTaskN, t, cp + m * N);
     }
   });
   return C;

@@ -16,10 +16,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,42 +30,11 @@
 namespace {
 
 using tiered_router::float_to_bf16;
+namespace simd = tiered_router::simd;
+using simd::kLanes;
+using simd::vf;
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxGroup = 8;     // query heads per KV head held in registers
-
-template <typename T>
-inline __m512 load16(const T* p);
-
-template <>
-inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-
-template <>
-inline __m512 load16<uint16_t>(const uint16_t* p) {  // bf16 -> fp32 is exact: shift into the high half
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their max): Cephes' expf range reduction and polynomial
-// (x = n ln2 + r, |r| <= ln2 / 2, ln2 split in two for an exact n ln2), ~1 ulp; 2^n applied by
-// scalef, which flushes to 0 past the fp32 range.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // exp(-104) is below fp32's smallest subnormal
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Geometry {
   int64_t block_size, kv_heads, dim, group, q_len, table_width;
@@ -75,15 +44,16 @@ struct Geometry {
 
 // One (query token, KV head): its `group` query heads against keys 0..visible-1.
 // `scores` is scratch of group * visible floats.
-// G and DV are compile-time so the query and accumulator tiles stay in registers.
+// G and DV (head_dim / lanes) are compile-time so the query and accumulator tiles stay in
+// registers (on AVX2's 16 registers the larger tiles spill to L1, which still beats a gather).
 template <typename TQ, typename TKV, int G, int DV>
 void attend(const TQ* q, const TKV* pool, const int64_t* table, int64_t visible, const Geometry& g, TQ* out,
             int64_t kv_head, float* scores) {
   constexpr int64_t dv = DV;
   const int64_t token_stride = 2 * g.kv_heads * g.dim;  // pool elements per position
-  __m512 qv[G][DV];
+  vf qv[G][DV];
   for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < dv; ++d) qv[h][d] = load16(q + h * g.q_head_stride + d * kLanes);
+    for (int64_t d = 0; d < dv; ++d) qv[h][d] = simd::load(q + h * g.q_head_stride + d * kLanes);
   auto key_at = [&](int64_t j) {
     const int64_t block = table[j / g.block_size];
     return pool + (block * g.block_size + j % g.block_size) * token_stride + kv_head * g.dim;
@@ -93,12 +63,12 @@ void attend(const TQ* q, const TKV* pool, const int64_t* table, int64_t visible,
   for (int64_t h = 0; h < G; ++h) top[h] = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
     const TKV* k = key_at(j);
-    __m512 kv[DV];
-    for (int64_t d = 0; d < dv; ++d) kv[d] = load16(k + d * kLanes);
+    vf kv[DV];
+    for (int64_t d = 0; d < dv; ++d) kv[d] = simd::load(k + d * kLanes);
     for (int64_t h = 0; h < G; ++h) {
-      __m512 acc = _mm512_mul_ps(qv[h][0], kv[0]);
-      for (int64_t d = 1; d < dv; ++d) acc = _mm512_fmadd_ps(qv[h][d], kv[d], acc);
-      const float s = _mm512_reduce_add_ps(acc) * g.scale;
+      vf acc = simd::mul(qv[h][0], kv[0]);
+      for (int64_t d = 1; d < dv; ++d) acc = simd::fmadd(qv[h][d], kv[d], acc);
+      const float s = simd::reduce_add(acc) * g.scale;
       scores[h * visible + j] = s;
       top[h] = std::max(top[h], s);
     }
@@ -107,40 +77,43 @@ void attend(const TQ* q, const TKV* pool, const int64_t* table, int64_t visible,
   float total[G];
   for (int64_t h = 0; h < G; ++h) {
     float* s = scores + h * visible;
-    const __m512 mx = _mm512_set1_ps(top[h]);
-    __m512 sum = _mm512_setzero_ps();
+    const vf mx = simd::set1(top[h]);
+    vf sum = simd::zero();
     int64_t j = 0;
     for (; j + kLanes <= visible; j += kLanes) {
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
-      _mm512_storeu_ps(s + j, p);
-      sum = _mm512_add_ps(sum, p);
+      const vf p = simd::exp_nonpositive(simd::sub(simd::load(s + j), mx));
+      simd::store(s + j, p);
+      sum = simd::add(sum, p);
     }
-    if (j < visible) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (visible - j)) - 1u);
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx));
-      _mm512_mask_storeu_ps(s + j, m, p);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, p));
+    if (j < visible) {  // the tail: lanes past it load as 0 and are masked out of the sum
+      const int64_t n = visible - j;
+      const vf p = simd::exp_nonpositive(simd::sub(simd::load_first(s + j, n), mx));
+      simd::store_first(s + j, p, n);
+      alignas(64) float lanes[kLanes];
+      simd::store(lanes, p);
+      for (int64_t e = n; e < kLanes; ++e) lanes[e] = 0.0f;
+      sum = simd::add(sum, simd::load(lanes));
     }
-    total[h] = _mm512_reduce_add_ps(sum);
+    total[h] = simd::reduce_add(sum);
   }
   // Weighted values: each V row is loaded once for all heads of the group.
-  __m512 acc[G][DV];
+  vf acc[G][DV];
   for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < dv; ++d) acc[h][d] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dv; ++d) acc[h][d] = simd::zero();
   for (int64_t j = 0; j < visible; ++j) {
     const TKV* v = key_at(j) + g.kv_heads * g.dim;
-    __m512 vv[DV];
-    for (int64_t d = 0; d < dv; ++d) vv[d] = load16(v + d * kLanes);
+    vf vv[DV];
+    for (int64_t d = 0; d < dv; ++d) vv[d] = simd::load(v + d * kLanes);
     for (int64_t h = 0; h < G; ++h) {
-      const __m512 p = _mm512_set1_ps(scores[h * visible + j]);
-      for (int64_t d = 0; d < dv; ++d) acc[h][d] = _mm512_fmadd_ps(p, vv[d], acc[h][d]);
+      const vf p = simd::set1(scores[h * visible + j]);
+      for (int64_t d = 0; d < dv; ++d) acc[h][d] = simd::fmadd(p, vv[d], acc[h][d]);
     }
   }
   for (int64_t h = 0; h < G; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
+    const vf inv = simd::set1(1.0f / total[h]);
     alignas(64) float row[kLanes];
     for (int64_t d = 0; d < dv; ++d) {
-      _mm512_store_ps(row, _mm512_mul_ps(acc[h][d], inv));
+      simd::store(row, simd::mul(acc[h][d], inv));
       TQ* o = out + h * g.dim + d * kLanes;
       for (int64_t e = 0; e < kLanes; ++e) {
         if constexpr (std::is_same_v<TQ, float>)
@@ -183,11 +156,15 @@ void run(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table, c
 template <typename TQ, typename TKV, int G>
 void run_dim(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table, const at::Tensor& starts,
              at::Tensor& out, const Geometry& g) {
+  // head_dim 16, 32, 64 or 128 in vectors of kLanes (16 on AVX512, 8 on AVX2).
   switch (g.dim / kLanes) {
     case 1: return run<TQ, TKV, G, 1>(q, pool, table, starts, out, g);
     case 2: return run<TQ, TKV, G, 2>(q, pool, table, starts, out, g);
     case 4: return run<TQ, TKV, G, 4>(q, pool, table, starts, out, g);
     case 8: return run<TQ, TKV, G, 8>(q, pool, table, starts, out, g);
+#if !defined(__AVX512F__)
+    case 16: return run<TQ, TKV, G, 16>(q, pool, table, starts, out, g);
+#endif
     default: TORCH_CHECK(false, "paged_attention: head_dim ", g.dim, " is not 16, 32, 64 or 128");
   }
 }
