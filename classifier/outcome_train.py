@@ -307,6 +307,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _numerics_host() -> str:
+    from classifier.train import numerics_host
+
+    return numerics_host()
+
+
 def train_outcomes(
     outcomes_path: str | Path,
     out_dir: str | Path,
@@ -382,6 +388,7 @@ def train_outcomes(
         },
         "intercept": round(float(np.asarray(linear.intercept_).ravel()[0]), 4),
         "onnx": {"sha256": _sha256(out / "model.onnx"), "max_abs_drift_vs_sklearn": drift},
+        "numerics": _numerics_host(),
         "versions": {
             "scikit-learn": sklearn.__version__,
             "skl2onnx": skl2onnx.__version__,

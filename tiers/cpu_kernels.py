@@ -111,9 +111,9 @@ def build(compiler: str = "g++", isa: str | None = None) -> Path:
     tmp = out.with_suffix(".tmp.so")
     subprocess.run([*cmd, str(tmp)], check=True, capture_output=True, text=True)
     tmp.replace(out)  # atomic: a concurrent loader never sees a half-written library
-    prefix = out.name.rsplit("-", 1)[0]  # older builds for the same instruction set
-    for old in out.parent.glob(f"{prefix}-*.so"):
-        if old != out:
+    current = {library_path(i).name for i in ISA_FLAGS}  # another ISA's build of these sources stays
+    for old in out.parent.glob("tiered_router_kernels-*.so"):
+        if old.name not in current:
             old.unlink(missing_ok=True)
     return out
 

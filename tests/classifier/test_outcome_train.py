@@ -190,10 +190,18 @@ def test_shipped_artifact_reproduces_from_the_command_line(tmp_path: Path) -> No
     from classifier.cli import main
 
     assert main(["train", "--outcomes", str(MMLU), "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "model.onnx").read_bytes() == (ARTIFACT_DIR / "model.onnx").read_bytes()
     fresh = json.loads((tmp_path / "metadata.json").read_text())
     shipped = json.loads((ARTIFACT_DIR / "metadata.json").read_text())
-    assert fresh["metrics"] == shipped["metrics"]
+    if fresh["numerics"] == shipped["numerics"]:  # a host of the kind it was trained on: to the bit
+        assert (tmp_path / "model.onnx").read_bytes() == (ARTIFACT_DIR / "model.onnx").read_bytes()
+        assert fresh["metrics"] == shipped["metrics"]
+        return
+    # Another SIMD kind sums in another order, so the fit's last bits differ (an AVX2 host moved
+    # cpt_50 by 0.0016); a wrong seed, split, feature set or data file moves these by far more.
+    assert fresh["metrics"]["n"] == shipped["metrics"]["n"]
+    assert fresh["metrics"]["heldout_subjects"] == shipped["metrics"]["heldout_subjects"]
+    for key in ("apgr", "cpt_50", "cpt_80", "apgr_prompt_length"):
+        assert fresh["metrics"][key] == pytest.approx(shipped["metrics"][key], abs=0.01), key
 
 
 @needs_mmlu

@@ -111,12 +111,24 @@ def test_retraining_reproduces_the_complexity_artifact(tmp_path: Path) -> None:
         meta["training_data"]["sha256"] == __import__("hashlib").sha256(TRAIN_PATH.read_bytes()).hexdigest()
     )
     fresh = train(TRAIN_PATH, tmp_path, seed=meta["seed"], config=Config.from_dict(meta["config"]))
-    for key in ("n", "accuracy", "macro_f1", "confusion", "severe_error_rate"):
-        assert fresh["metrics"]["heldout"][key] == meta["metrics"]["heldout"][key], key
     prompts = [r["prompt"] for r in load_jsonl(HELDOUT_PATH)]
     shipped = ComplexityClassifier.load(COMPLEXITY_DIR)
     rebuilt = ComplexityClassifier.load(tmp_path)
-    np.testing.assert_allclose(rebuilt.predict_proba(prompts), shipped.predict_proba(prompts), atol=1e-6)
+    got, want = fresh["metrics"]["heldout"], meta["metrics"]["heldout"]
+    assert got["n"] == want["n"]
+    if fresh["numerics"] == meta["numerics"]:  # a host of the kind it was trained on: to the bit
+        for key in ("accuracy", "macro_f1", "confusion", "severe_error_rate"):
+            assert got[key] == want[key], key
+        np.testing.assert_allclose(rebuilt.predict_proba(prompts), shipped.predict_proba(prompts), atol=1e-6)
+        return
+    # Another SIMD kind sums in another order, so the fit's last bits differ (on an AVX2 host one
+    # held-out prompt of 741 changed class); a wrong seed, config or data file moves these by more.
+    for key in ("accuracy", "macro_f1", "severe_error_rate"):
+        assert got[key] == pytest.approx(want[key], abs=0.01), key
+    a, b = rebuilt.predict_proba(prompts), shipped.predict_proba(prompts)
+    # Measured on an AVX2 host: mean |difference| 0.0027 (max 0.084), 99.6 % of argmaxes equal.
+    assert float(np.abs(a - b).mean()) <= 0.01
+    assert float((a.argmax(1) == b.argmax(1)).mean()) >= 0.99
 
 
 def test_validation_split_is_carved_from_train_only() -> None:

@@ -127,6 +127,17 @@ def test_a_changed_source_never_loads_the_old_build(tmp_path: Path, monkeypatch:
         edited.write_bytes(original)
 
 
+def test_each_instruction_set_has_its_own_build() -> None:
+    """The AVX512 and AVX2 builds differ in packed int4 layout and arithmetic: a host must never
+    load the other's library (an AVX2 host would fault on AVX512 code; an AVX512 host would read
+    torch's 64-channel packing as 32-channel blocks). The name carries the ISA and the flags' hash."""
+    paths = {isa: cpu_kernels.library_path(isa) for isa in cpu_kernels.ISA_FLAGS}
+    assert len({p.name for p in paths.values()}) == len(paths)
+    for isa, path in paths.items():
+        assert f"-{isa.lower()}-" in path.name
+    assert cpu_kernels.library_path() == paths[cpu_kernels.host_isa()]  # type: ignore[index]
+
+
 def _profiled_keys(fn: object) -> set[str]:
     from torch.profiler import profile
 
