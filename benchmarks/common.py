@@ -61,6 +61,8 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu or platform.processor(),
         "cores": os.cpu_count(),
+        # "AMD EPYC" names both the Zen 1 (AVX2) and Zen 4 (AVX512) VMs, whose kernels differ.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
