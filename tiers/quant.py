@@ -68,7 +68,9 @@ class Int8WeightOnlyLinear(nn.Module):
 
 
 INT4_CPU_PACK_BLOCK = 64
-"""Output channels per block of ``_convert_weight_to_int4pack_for_cpu``'s layout."""
+"""Output channels per block of ``_convert_weight_to_int4pack_for_cpu``'s layout on torch's AVX512
+build (its AVX2 build packs blocks of 32): widths in whole multiples of 64 are whole blocks on
+either, so only those are fused and handed to the tiled kernel."""
 
 
 @functools.cache
@@ -374,7 +376,7 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
     if isinstance(first, Int4WeightOnlyLinear):
         if any(m.group_size != first.group_size or m._packed_cpu != first._packed_cpu for m in mods):
             return None
-        # The CPU packed layout interleaves output channels within blocks of 64: concatenating
+        # The CPU packed layout interleaves output channels within blocks of 64 (32 on AVX2): concatenating
         # parts that are not whole blocks scrambles their channels (a tiny model's 32-wide k/v
         # projections gave logits unrelated to HF's), so those stay separate calls.
         if first._packed_cpu and any(int(m.out_features) % INT4_CPU_PACK_BLOCK for m in mods):
