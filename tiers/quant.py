@@ -190,7 +190,9 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
     Why: a small model's decode step makes ~120 projection calls; for the packed int4 kernel the
     module's reshapes and no-op dtype casts around the one op are Python and dispatch work on
     every call. The fast path feeds 2-D activations of the model's dtype, so those steps are
-    skipped - the same op on the same tensors, so the result is bitwise the module's."""
+    skipped - the same op on the same tensors, so the result is bitwise the module's. The same
+    holds for the fp32 tier's oneDNN-packed linears: on the AMD EPYC Zen 1 VM the large tier's
+    decode step went 60.2 -> 59.3 ms at 1 sequence and 138 -> 133 ms at 16 (in-process A/B)."""
     if (
         isinstance(mod, Int4WeightOnlyLinear)
         and mod._packed_cpu
@@ -198,6 +200,9 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
         and dtype == torch.bfloat16
     ):
         return _int4_cpu_call(int(mod.out_features), mod.weight_q, mod.group_size, mod.scales_and_zeros)
+    if isinstance(mod, PackedFp32Linear) and mod.backend == "onednn" and dtype == torch.float32:
+        op, packed, bias = torch.ops.mkldnn._linear_pointwise, mod.weight_packed, mod.bias
+        return lambda x: op(x.contiguous(), packed, bias, "none", [], "")
     return mod.forward
 
 

@@ -84,6 +84,27 @@ def test_packed_fp32_linear_matches_fp64_at_every_row_count(bias: bool, backend:
     assert torch.allclose(packed(x3), lin(x3), atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_direct_call_of_a_onednn_packed_linear_is_the_modules_op(bias: bool) -> None:
+    """The fast path calls oneDNN's packed GEMM without the module: catches a direct call that
+    drops the bias, reads a stale or unpacked weight, or is silently the module's forward again
+    (then the Python it exists to skip comes back)."""
+    from tiers.quant import direct_kernel
+
+    torch.manual_seed(0)
+    packed = PackedFp32Linear(nn.Linear(256, 384, bias=bias), "onednn")
+    direct = direct_kernel(packed, torch.float32)
+    assert direct != packed.forward
+    for rows in (1, 4, 16, 33):
+        x = torch.randn(rows, 256)
+        with torch.no_grad():
+            assert torch.equal(direct(x), packed(x)), rows
+            assert torch.equal(direct(x.t().contiguous().t()), packed(x)), rows  # column-major input
+        assert _ran_packed_gemm(lambda x=x: direct(x), "onednn")
+    mkl = PackedFp32Linear(nn.Linear(256, 384), "mkl")  # picks its kernel by row count: keeps forward
+    assert direct_kernel(mkl, torch.float32) == mkl.forward
+
+
 def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
