@@ -1,6 +1,7 @@
 """The project's CPU kernels against torch's ops, per tier, in one process: each tier of the default
 policy built twice on the embedded model - once with ``tiers/csrc``'s kernels where they apply
-(``int4_mm`` from ``TILED_INT4_MIN_ROWS`` rows, ``add_rms_norm``, ``paged_attention``), once with
+(``int4_mm`` from ``TILED_INT4_MIN_ROWS`` rows, ``add_rms_norm``, ``paged_attention``,
+``rope_kv_write``), once with
 torch's ops only - and the decode step timed at 1, 4 and 16 sequences over 120 tokens of context,
 plus a 20-token prompt chunk after that context, interleaved repetitions, medians. The baseline is
 the same model and fast path with the kernels switched off, so the ratio is the kernels' alone.
@@ -35,15 +36,18 @@ def _runner(kernels: bool, kw: dict[str, Any]) -> Any:
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
 
-    saved = (cpu_kernels.int4_mm_op, cpu_kernels.add_rms_norm_op, cpu_kernels.paged_attention_op)
+    names = ("int4_mm_op", "add_rms_norm_op", "paged_attention_op", "rope_kv_write_op")
+    saved = [getattr(cpu_kernels, n) for n in names]
     if not kernels:  # the fast path asks for each op when it is built: None keeps torch's
-        cpu_kernels.int4_mm_op = cpu_kernels.add_rms_norm_op = cpu_kernels.paged_attention_op = lambda: None  # type: ignore[assignment]
+        for n in names:
+            setattr(cpu_kernels, n, lambda: None)
     try:
         return ModelRunner(
             load_model("embedded:smollm2-135m-instruct", **kw), num_blocks=512, max_model_len=512
         )
     finally:
-        cpu_kernels.int4_mm_op, cpu_kernels.add_rms_norm_op, cpu_kernels.paged_attention_op = saved
+        for n, op in zip(names, saved, strict=True):
+            setattr(cpu_kernels, n, op)
 
 
 def _measure_tier(kw: dict[str, Any], repeats: int) -> dict[str, Any]:

@@ -7,7 +7,9 @@ for all rows) and ``tiered_router::add_rms_norm`` (rms_norm.cpp: the
 residual add and HF's RMSNorm in one pass instead of ~8 torch ops) - and
 ``tiered_router::paged_attention`` (paged_attention.cpp: attention of a few query tokens per row
 read in place from the paged KV pool, fp32 softmax; not bitwise torch's flash kernel, which it
-replaces only on the fast path's short-query groups). ``make install`` compiles them
+replaces only on the fast path's short-query groups) and ``tiered_router::rope_kv_write``
+(rope_kv.cpp: q/k rotary embedding plus the layer's K/V write, bitwise the torch ops).
+``make install`` compiles them
 into one shared object with the system C++ compiler against the installed torch (``python -m
 tiers.cpu_kernels``); its name carries a hash of every source, torch's version and the flags, so a
 stale build is never loaded. Where it is not built (an image without a compiler) or cannot apply
@@ -35,6 +37,7 @@ __all__ = [
     "int4_mm_op",
     "library_path",
     "paged_attention_op",
+    "rope_kv_write_op",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,13 @@ def paged_attention_op() -> Any | None:
     causal attention of ``q_len`` queries per row over one layer's paged KV pool, when built and
     applicable here, else ``None``."""
     return torch.ops.tiered_router.paged_attention if _library_loaded() else None
+
+
+def rope_kv_write_op() -> Any | None:
+    """``torch.ops.tiered_router.rope_kv_write(qkv, cos, signed_sin, pool, slots, heads, kv_heads)
+    -> q``: rotary embedding of q and k and one layer's K/V write into the paged pool, bitwise the
+    fast path's torch ops (rope_kv.cpp), when built and applicable here, else ``None``."""
+    return torch.ops.tiered_router.rope_kv_write if _library_loaded() else None
 
 
 def main() -> int:

@@ -66,6 +66,17 @@ class FastDecoder:
         self.norm_eps = self.base.norm.variance_epsilon
         self._fused_norm = self._fused_norm_op()
         self._paged_attention = self._paged_attention_op()
+        self._rope_kv = self._rope_kv_op()
+
+    def _rope_kv_op(self) -> Any | None:
+        """The fused RoPE + K/V write kernel where it applies: a CPU model of bf16 or fp32 (the pool
+        and HF's cos/sin have the model's dtype, the case its bitwise contract covers)."""
+        from tiers import cpu_kernels
+
+        op = cpu_kernels.rope_kv_write_op()
+        if op is None or self.base.embed_tokens.weight.device.type != "cpu":
+            return None
+        return op if self.dtype in (torch.bfloat16, torch.float32) and self.head_dim % 2 == 0 else None
 
     def _paged_attention_op(self) -> Any | None:
         """The paged attention kernel where it applies: a CPU pool of bf16 or fp32, head sizes and
@@ -174,6 +185,25 @@ class FastDecoder:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
+    def _rope_and_write(
+        self,
+        qk_x: torch.Tensor,
+        v_x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The torch ops ``rope_kv_write`` replaces: q and k rotated (elementwise, so rotating them
+        together is bitwise the same as one by one), K and V of every new token written at its slot
+        with one write per layer; returns q [n, heads, dim]."""
+        n, heads, kv_heads, dim = qk_x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk = self._rotate(qk_x.reshape(n, heads + kv_heads, dim), cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = v_x.reshape(n, kv_heads, dim)
+        pool.view(-1, 2, kv_heads, dim).index_copy_(0, slots, torch.stack((k, v), dim=1).to(pool.dtype))
+        return q
+
     def __call__(
         self,
         input_ids: torch.Tensor,
@@ -195,24 +225,23 @@ class FastDecoder:
         half = self.head_dim // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        rope_kv = self._rope_kv if cos.dtype == self.dtype and sin.dtype == self.dtype else None
+        if rope_kv is not None:
+            cos2, sin2 = cos.reshape(n, dim).contiguous(), sin.reshape(n, dim).contiguous()
         delta: torch.Tensor | None = None  # the last sublayer's output, added to h by the next norm
         for i, (w_in, eps_in, qkv, qkv_sizes, o_p, w_post, eps_post, gate_up, gu_sizes, down) in enumerate(
             self.layers
         ):
             h, x = self._add_norm(h, delta, w_in, eps_in)
-            if isinstance(qkv, list):
-                q_x, k_x, v_x = self._project(qkv, x, qkv_sizes)
-                qk_x = torch.cat((q_x, k_x), dim=-1)
-            else:  # one fused projection; q and k side by side, so RoPE runs once for both
-                y = qkv(x)
-                qk_x, v_x = y[:, : qkv_sizes[0] + qkv_sizes[1]], y[:, qkv_sizes[0] + qkv_sizes[1] :]
-            # Elementwise, so rotating q and k together is bitwise the same as one by one.
-            qk = self._rotate(qk_x.reshape(n, heads + kv_heads, dim), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = v_x.reshape(n, kv_heads, dim)
             pool = kv_pool[i]  # [blocks, block_size, 2, kv_heads, dim]
-            # One write per layer: K and V of every new token at its slot.
-            pool.view(-1, 2, kv_heads, dim).index_copy_(0, slots, torch.stack((k, v), dim=1).to(pool.dtype))
+            # q, k, v side by side: one fused projection, or the parts that could not be fused
+            y = torch.cat(self._project(qkv, x, qkv_sizes), dim=-1) if isinstance(qkv, list) else qkv(x)
+            if rope_kv is not None:
+                # One kernel: q and k rotated, this layer's K/V written at the tokens' slots.
+                q = rope_kv(y.contiguous(), cos2, sin2, pool, slots, heads, kv_heads)
+            else:  # q and k rotated together (elementwise: bitwise the same as one by one)
+                split = qkv_sizes[0] + qkv_sizes[1]
+                q = self._rope_and_write(y[:, :split], y[:, split:], cos, sin, pool, slots)
             out = torch.empty((n, heads, dim), dtype=q.dtype, device=q.device) if len(groups) > 1 else None
             for g in groups:
                 rows, t = g.num_rows, g.q_len

@@ -245,3 +245,64 @@ def test_paged_attention_refuses_inputs_it_would_misread_with_the_reason() -> No
         op(q, pool, table, torch.tensor([5, 31]), 2, 0.125)
     with pytest.raises(RuntimeError, match="head_dim"):
         op(torch.zeros(2, 4, 48), torch.zeros(4, 16, 2, 2, 48), table, torch.tensor([5, 31]), 1, 0.125)
+
+
+def _rope_kv_torch(
+    y: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """The fast path's torch ops, written out independently: rotate_half by cat, per-op roundings."""
+    n, kv_heads, dim = y.shape[0], pool.shape[3], pool.shape[4]
+    x = y[:, : (heads + kv_heads) * dim].reshape(n, heads + kv_heads, dim)
+    half = dim // 2
+    qk = x * cos[:, None] + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin[:, None]
+    v = y[:, (heads + kv_heads) * dim :].reshape(n, kv_heads, dim)
+    pool.view(-1, 2, kv_heads, dim)[slots] = torch.stack((qk[:, heads:], v), dim=1)
+    return qk[:, :heads]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "n"), [(9, 3, 64, 1), (9, 3, 64, 40), (4, 2, 16, 5), (8, 1, 128, 3)]
+)
+def test_rope_kv_write_is_bitwise_the_torch_ops(
+    threads: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, n: int
+) -> None:
+    """q and every pool slot after the write equal the torch ops bit for bit. Catches rotate_half's
+    halves swapped or its sign lost, a missing rounding of either product to bf16 (or an FMA in
+    fp32), K written rotated into V's place or V rotated, a wrong slot, and a write that touches
+    any other slot (the rest of the pool is compared too)."""
+    op = cpu_kernels.rope_kv_write_op()
+    assert op is not None
+    g = torch.Generator().manual_seed(n * dim)
+    y = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
+    angles = torch.randint(0, 2000, (n, 1), generator=g).float() * torch.rand(dim // 2, generator=g)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    signed_sin = torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)
+    pool = (torch.randn(6, 16, 2, kv_heads, dim, generator=g)).to(dtype)
+    want_pool = pool.clone()
+    slots = torch.randperm(96, generator=g)[:n]
+    got_q = op(y, cos, signed_sin, pool, slots, heads, kv_heads)
+    want_q = _rope_kv_torch(y, cos, signed_sin, want_pool, slots, heads)
+    assert got_q.shape == (n, heads, dim)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(pool, want_pool)
+
+
+def test_rope_kv_write_refuses_what_it_would_misread_with_the_reason() -> None:
+    op = cpu_kernels.rope_kv_write_op()
+    assert op is not None
+    y, cs = torch.zeros(2, 5 * 16), torch.zeros(2, 16)
+    pool = torch.zeros(2, 4, 2, 2, 16)  # 8 positions
+    op(y, cs, cs, pool, torch.tensor([0, 7]), 1, 2)  # the valid call runs
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(y, cs, cs, pool, torch.tensor([0, 8]), 1, 2)
+    with pytest.raises(RuntimeError, match="heads \\+ 2 kv_heads"):
+        op(y, cs, cs, pool, torch.tensor([0, 1]), 2, 2)
+    with pytest.raises(RuntimeError, match="dtype"):
+        op(y, cs.to(torch.bfloat16), cs, pool, torch.tensor([0, 1]), 1, 2)

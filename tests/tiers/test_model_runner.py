@@ -136,6 +136,36 @@ def test_fused_residual_norm_serves_the_fast_path_with_the_same_logits(
 
 @cpu_kernels_built
 @pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_rope_kv_kernel_serves_every_layer_with_the_same_logits_and_cache(
+    tiny_model_dir: Path, quantization: str
+) -> None:
+    """Every layer's RoPE + K/V write runs the fused kernel (profiled), and a prefill then a decode
+    step give the bits of the torch ops, logits and KV pool alike. Catches the kernel fed the
+    unsigned sin or another layer's pool, K/V written at the wrong slots (the decode step reads
+    them back), and the fast path silently falling back to the torch ops."""
+    from torch.profiler import profile
+
+    def run(kernel: bool) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        r = runner(tiny_model_dir, quantization=quantization)
+        assert r.fast is not None and r.fast._rope_kv is not None, "run `make kernels`"
+        if not kernel:
+            r.fast._rope_kv = None
+        t = table(r, 24)
+        with profile() as prof:
+            out = r.forward([RowInput(t, 0, list(range(3, 23)), "all")])
+            out += r.forward([RowInput(t, 20, [7], "last")])
+        calls = {e.key: e.count for e in prof.key_averages()}
+        assert calls.get("tiered_router::rope_kv_write", 0) == (2 * len(r.fast.layers) if kernel else 0)
+        return out, r.kv[:, t].clone()  # the row's blocks (the rest of the pool is never written)
+
+    (a, pool_a), (b, pool_b) = run(True), run(False)
+    for x, y in zip(a, b, strict=True):
+        assert x is not None and y is not None and torch.equal(x, y)
+    assert torch.equal(pool_a, pool_b)
+
+
+@cpu_kernels_built
+@pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_paged_attention_kernel_serves_short_queries_and_agrees_with_sdpa(
     tiny_model_dir: Path, quantization: str
 ) -> None:
