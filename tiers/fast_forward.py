@@ -8,8 +8,8 @@ set the floor on how cheap a draft step could be. This path calls the same weigh
 variant HF supports is computed by HF), and attention laid out as HF's SDPA integration does it.
 
 It reproduces HF's arithmetic op for op (fp32 RMSNorm statistics, the same rotary formula, SDPA
-with the same mask), so logits match the generic path to float noise; on AVX512 and AVX2 CPUs short query
-groups (decode, verification, short chunks) instead run the paged attention kernel
+with the same mask), so logits match the generic path to float noise; on AVX512 and AVX2 CPUs
+short query groups (decode, verification, short chunks) instead run the paged attention kernel
 (``tiers/csrc/paged_attention.cpp``: fp32 softmax over the pool in place), equal to SDPA within
 float noise in fp32 and bf16 noise in bf16; ``tests/tiers`` checks that
 on tiny Llama and Qwen2 models. Anything else - other architectures, sliding windows, attention
@@ -225,7 +225,8 @@ class FastDecoder:
         half = self.head_dim // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        rope_kv = self._rope_kv if cos.dtype == self.dtype and sin.dtype == self.dtype else None
+        same_dtype = cos.dtype == sin.dtype == kv_pool.dtype == self.dtype  # rope_kv_write's contract
+        rope_kv = self._rope_kv if same_dtype else None
         if rope_kv is not None:
             cos2, sin2 = cos.reshape(n, dim).contiguous(), sin.reshape(n, dim).contiguous()
         delta: torch.Tensor | None = None  # the last sublayer's output, added to h by the next norm
