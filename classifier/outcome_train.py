@@ -307,12 +307,6 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _numerics_host() -> str:
-    from classifier.train import numerics_host
-
-    return numerics_host()
-
-
 def train_outcomes(
     outcomes_path: str | Path,
     out_dir: str | Path,
@@ -329,6 +323,8 @@ def train_outcomes(
     import onnxruntime
     import skl2onnx
     import sklearn
+
+    from classifier.train import numerics_host
 
     outcomes_path, out = Path(outcomes_path), Path(out_dir)
     rows, weights, held, dropped = training_rows(outcomes_path, config, extra_paths, more_outcomes)
@@ -388,7 +384,7 @@ def train_outcomes(
         },
         "intercept": round(float(np.asarray(linear.intercept_).ravel()[0]), 4),
         "onnx": {"sha256": _sha256(out / "model.onnx"), "max_abs_drift_vs_sklearn": drift},
-        "numerics": _numerics_host(),
+        "numerics": numerics_host(),
         "versions": {
             "scikit-learn": sklearn.__version__,
             "skl2onnx": skl2onnx.__version__,

@@ -24,12 +24,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-using tiered_router::float_to_bf16;
 namespace simd = tiered_router::simd;
 using simd::kLanes;
 using simd::vf;
@@ -115,12 +113,7 @@ void attend(const TQ* q, const TKV* pool, const int64_t* table, int64_t visible,
     for (int64_t d = 0; d < dv; ++d) {
       simd::store(row, simd::mul(acc[h][d], inv));
       TQ* o = out + h * g.dim + d * kLanes;
-      for (int64_t e = 0; e < kLanes; ++e) {
-        if constexpr (std::is_same_v<TQ, float>)
-          o[e] = row[e];
-        else
-          o[e] = float_to_bf16(row[e]);
-      }
+      for (int64_t e = 0; e < kLanes; ++e) o[e] = tiered_router::from_float<TQ>(row[e]);
     }
   }
 }

@@ -24,37 +24,11 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace {
 
-using tiered_router::bf16_to_float;
-using tiered_router::float_to_bf16;
-
-template <typename T>
-inline float load(const T* p, int64_t i) {
-  if constexpr (std::is_same_v<T, float>)
-    return p[i];
-  else
-    return bf16_to_float(p[i]);
-}
-
-template <typename T>
-inline T round_to(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return float_to_bf16(v);
-}
-
-// v as the activation dtype would hold it (one rounding for bf16; exact for fp32).
-template <typename T>
-inline float rounded(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return bf16_to_float(float_to_bf16(v));
-}
+using tiered_router::from_float;
+using tiered_router::to_float;
 
 // One head's `dim` values of token row `x` rotated into `out`.
 template <typename T>
@@ -62,9 +36,10 @@ inline void rotate(const T* x, const T* cos, const T* sin, int64_t dim, T* out) 
   const int64_t half = dim / 2;
   for (int64_t d = 0; d < dim; ++d) {
     const int64_t r = d < half ? d + half : d - half;  // cat(x[half:], x[:half])[d]
-    const float a = rounded<T>(load(x, d) * load(cos, d));
-    const float b = rounded<T>(load(x, r) * load(sin, d));
-    out[d] = round_to<T>(a + b);
+    // Each product rounded to T, as torch's elementwise mul returns it, then the sum.
+    const float a = to_float(from_float<T>(to_float(x[d]) * to_float(cos[d])));
+    const float b = to_float(from_float<T>(to_float(x[r]) * to_float(sin[d])));
+    out[d] = from_float<T>(a + b);
   }
 }
 
