@@ -69,11 +69,21 @@ class Merged:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
+        # Every source is closed (each close aborts its engine request), even if this task is
+        # cancelled while closing one of them; the cancellation is raised after the last.
+        cancelled: asyncio.CancelledError | None = None
         for source in self.sources:
             close = getattr(source, "aclose", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
+            if close is None:
+                continue
+            try:
+                await close()
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+            except Exception:
+                pass
+        if cancelled is not None:
+            raise cancelled
 
 
 @dataclass

@@ -234,8 +234,12 @@ class ResponseWriter:
                 await on_complete(body)
             return body
         finally:
-            await merged.aclose()
-            self._leave()
+            # Left even when the close is itself cancelled (anyio re-delivers a cancelled scope's
+            # cancellation at every await): otherwise draining would wait for this request forever.
+            try:
+                await merged.aclose()
+            finally:
+                self._leave()
 
     async def sse(
         self,
@@ -254,8 +258,10 @@ class ResponseWriter:
         try:
             first = await self._first(merged, timeout_s)
         except BaseException:
-            await merged.aclose()
-            self._leave()
+            try:
+                await merged.aclose()
+            finally:
+                self._leave()
             raise
         return SSEStream(
             self._sse_body(gen, d, merged, first, span_attrs, prompt_hint, on_complete), self._leave
