@@ -1,8 +1,8 @@
 """The project's CPU kernels against torch's ops, per tier, in one process: each tier of the default
 policy built twice on the embedded model - once with ``tiers/csrc``'s kernels where they apply
 (``int4_mm`` from ``TILED_INT4_MIN_ROWS`` rows, ``add_rms_norm``, ``paged_attention``,
-``rope_kv_write``), once with
-torch's ops only - and the decode step timed at 1, 4 and 16 sequences over 120 tokens of context,
+``rope_kv_write``, ``f32_linear`` up to ``F32_GEMV_MAX_ROWS`` rows), once with torch's ops only -
+and the decode step timed at 1, 4 and 16 sequences over 120 tokens of context,
 plus a 20-token prompt chunk after that context, interleaved repetitions, medians. The baseline is
 the same model and fast path with the kernels switched off, so the ratio is the kernels' alone.
 Also checks the two give the same greedy tokens (argmax) on a 16-row decode step.
@@ -36,7 +36,7 @@ def _runner(kernels: bool, kw: dict[str, Any]) -> Any:
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
 
-    names = ("int4_mm_op", "add_rms_norm_op", "paged_attention_op", "rope_kv_write_op")
+    names = ("int4_mm_op", "add_rms_norm_op", "paged_attention_op", "rope_kv_write_op", "f32_linear_op")
     saved = [getattr(cpu_kernels, n) for n in names]
     if not kernels:  # the fast path asks for each op when it is built: None keeps torch's
         for n in names:

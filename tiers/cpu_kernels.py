@@ -164,6 +164,13 @@ def rope_kv_write_op() -> Any | None:
     return torch.ops.tiered_router.rope_kv_write if _library_loaded() else None
 
 
+def f32_linear_op() -> Any | None:
+    """``torch.ops.tiered_router.f32_linear(x, weight, bias) -> x @ weight.T + bias`` for fp32 and
+    a few rows, reading ``weight`` in its ``[out, in]`` layout at memory speed (f32_gemv.cpp),
+    when built and applicable here, else ``None``."""
+    return torch.ops.tiered_router.f32_linear if _library_loaded() else None
+
+
 def main() -> int:
     if host_isa() is None:
         cap = torch.backends.cpu.get_cpu_capability()

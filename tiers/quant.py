@@ -202,8 +202,40 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
         return _int4_cpu_call(int(mod.out_features), mod.weight_q, mod.group_size, mod.scales_and_zeros)
     if isinstance(mod, PackedFp32Linear) and mod.backend == "onednn" and dtype == torch.float32:
         op, packed, bias = torch.ops.mkldnn._linear_pointwise, mod.weight_packed, mod.bias
-        return lambda x: op(x.contiguous(), packed, bias, "none", [], "")
+        gemv, weight, limit = _f32_gemv_op(), mod.weight.detach(), F32_GEMV_MAX_ROWS
+        if gemv is None:
+            return lambda x: op(x.contiguous(), packed, bias, "none", [], "")
+        return lambda x: (
+            gemv(x.contiguous(), weight, bias)
+            if x.shape[0] <= limit
+            else op(x.contiguous(), packed, bias, "none", [], "")
+        )
     return mod.forward
+
+
+def _f32_gemv_max_rows() -> int:
+    from tiers.cpu_kernels import host_isa
+
+    return 2 if host_isa() == "AVX512" and not cpu_is_intel() else 0
+
+
+F32_GEMV_MAX_ROWS = _f32_gemv_max_rows()
+"""Up to this many rows the oneDNN-packed fp32 projections run ``tiered_router::f32_linear``
+(tiers/csrc/f32_gemv.cpp), which reads the plain ``[out, in]`` weight at memory speed. Fixed per
+instruction set and vendor, measured where set:
+- AVX512, AMD (the 2-core Zen 4 VM): up to 2. SmolLM2-135M's fp32 projections, a whole step's
+  worth (30 layers' weights cycled, 540 MB): 16.4 vs 23.4 ms at 1 row (1.43x), 18.6 vs 24.4 at 2
+  (1.31x); from 3 rows oneDNN's packed GEMM reaches ~32 GB/s and wins (0.90x at 3, 0.75x at 5).
+- Elsewhere 0 (off): not measured yet (Intel keeps MKL at these rows; on AVX2 the kernel builds and
+  is tested, and ``benchmarks/cpu_kernels.py`` is the measurement to set it by)."""
+
+
+def _f32_gemv_op() -> Any | None:
+    if F32_GEMV_MAX_ROWS <= 0:
+        return None
+    from tiers.cpu_kernels import f32_linear_op
+
+    return f32_linear_op()
 
 
 Fp32Backend = Literal["mkl", "onednn"]
@@ -233,8 +265,9 @@ class PackedFp32Linear(nn.Module):
     step in-process went from 47 to 35 ms at 4 sequences and 66 to 53 ms at 16. Outside 4-16 rows
     MKL's packed kernel measured no better (1-3 rows) or worse (from 17 rows; the head at 80 rows
     29 vs 18 ms), so those calls keep the plain weight. oneDNN (other vendors) won at every row
-    count (``fp32_gemm_backend``), so it serves all of them. Cost: the packed copy is as large as
-    the weight (+540 MB for a 135M fp32 model).
+    count (``fp32_gemm_backend``), so it serves all of them, except up to ``F32_GEMV_MAX_ROWS`` rows
+    where this project's memory-speed kernel reads the plain weight faster. Cost: the packed copy
+    is as large as the weight (+540 MB for a 135M fp32 model).
 
     ``torch.ops.mkl._mkl_linear`` is the op inductor emits for frozen fp32 linears; it takes the
     packed path only when the row count equals the ``batch_size`` argument, so each call passes its
@@ -265,7 +298,10 @@ class PackedFp32Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if rows in self.packed_rows and x2.dtype == torch.float32:
+        gemv = _f32_gemv_op() if self.backend == "onednn" and rows <= F32_GEMV_MAX_ROWS else None
+        if gemv is not None and x2.dtype == torch.float32:
+            y = gemv(x2.contiguous(), self.weight.detach(), self.bias)
+        elif rows in self.packed_rows and x2.dtype == torch.float32:
             x2 = x2.contiguous()
             if self.backend == "mkl":
                 y = torch.ops.mkl._mkl_linear(x2, self.weight_packed, self.weight, self.bias, rows)

@@ -2,6 +2,7 @@
 
 The tiled int4 GEMM against torch's own int4 kernel: bit-for-bit at every row count, shape and group
 size the tiers use, and actually serving the int4 projections from ``TILED_INT4_MIN_ROWS`` rows.
+The fp32 GEMV against an fp64 reference, and batch-invariant bit for bit.
 The fused residual add + RMSNorm against HF's ``LlamaRMSNorm`` and torch's add: bit-for-bit. The
 paged attention kernel against an fp64 reference (it is not bitwise torch's flash kernel)."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -306,3 +308,88 @@ def test_rope_kv_write_refuses_what_it_would_misread_with_the_reason() -> None:
         op(y, cs, cs, pool, torch.tensor([0, 1]), 2, 2)
     with pytest.raises(RuntimeError, match="dtype"):
         op(y, cs.to(torch.bfloat16), cs, pool, torch.tensor([0, 1]), 1, 2)
+
+
+@pytest.fixture(scope="module")
+def f32_linear() -> object:
+    got = cpu_kernels.f32_linear_op()
+    assert got is not None, f"CPU kernels not built at {cpu_kernels.library_path()}: run `make kernels`"
+    return got
+
+
+# SmolLM2-135M's fused qkv, o, gate_up and down shapes; inputs that leave a tail of a vector
+# (37, 100 on either lane count) and outputs that leave groups unfilled (13, 577, 7).
+F32_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (13, 37), (577, 100), (7, 8)]
+
+
+@pytest.mark.parametrize(("n", "k"), F32_SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_f32_linear_matches_an_fp64_reference(
+    f32_linear: Any, threads: int, n: int, k: int, bias: bool
+) -> None:
+    """Catches a weight row paired with the wrong output, a dropped or doubled K tail, outputs left
+    unwritten after the last whole group, rows past a pass (1-17 rows cross every pass size), a
+    missing bias, and a thread split that skips or repeats groups."""
+    torch.manual_seed(n * 7 + k)
+    w = torch.randn(n, k) / k**0.5
+    b = torch.randn(n) if bias else None
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 17):
+        x = torch.randn(m, k)
+        ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+        got = f32_linear(x, w, b)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        # fp32 rounding of a k-term dot product of O(1) terms, far below one wrong term's size
+        assert (got.double() - ref).abs().max() < 2e-5 * k**0.5, (m, n, k)
+
+
+def test_f32_linear_is_batch_and_thread_invariant(f32_linear: Any) -> None:
+    """Each output is one fixed chain of operations: a row's result does not depend on how many
+    rows came with it, where it sat, or how many threads ran. Catches a pass size or group width
+    that changes the accumulation (e.g. a different tail or reduction for some rows)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(577, 100), torch.randn(577)
+    x = torch.randn(17, 100)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([f32_linear(x[i : i + 1], w, b) for i in range(17)])
+        torch.set_num_threads(2)
+        for m in range(1, 18):
+            assert torch.equal(f32_linear(x[:m], w, b), alone[:m]), m
+        assert torch.equal(f32_linear(x.flip(0), w, b), alone.flip(0))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_f32_linear_refuses_what_it_would_misread_with_the_reason(f32_linear: Any) -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        f32_linear(torch.randn(1, 16).to(torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="inputs"):
+        f32_linear(torch.randn(1, 15), w, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        f32_linear(torch.randn(16, 2).t(), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        f32_linear(torch.randn(1, 16), w, torch.randn(7))
+
+
+def test_fp32_layers_use_it_up_to_the_row_threshold(f32_linear: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the oneDNN-packed module and the fast path's direct call: up to
+    ``F32_GEMV_MAX_ROWS`` rows the kernel runs (profiled), above it oneDNN's packed GEMM does, and
+    both agree with the module's oneDNN output to fp32 noise. On a host where the threshold is 0 the
+    wiring is checked at 2."""
+    if quant.F32_GEMV_MAX_ROWS == 0:
+        monkeypatch.setattr(quant, "F32_GEMV_MAX_ROWS", 2)
+    limit = quant.F32_GEMV_MAX_ROWS
+    torch.manual_seed(0)
+    lin = quant.PackedFp32Linear(nn.Linear(256, 384), "onednn")
+    direct = quant.direct_kernel(lin, torch.float32)
+    for rows in (1, limit, limit + 1, 9):
+        x = torch.randn(rows, 256)
+        with torch.no_grad():
+            onednn = torch.ops.mkldnn._linear_pointwise(x, lin.weight_packed, lin.bias, "none", [], "")
+            for fn in (lin, direct):
+                keys = _profiled_keys(lambda fn=fn, x=x: fn(x))
+                assert ("tiered_router::f32_linear" in keys) == (rows <= limit), rows
+                assert ("mkldnn::_linear_pointwise" in keys) == (rows > limit), rows
+                torch.testing.assert_close(fn(x), onednn, atol=1e-5, rtol=1e-5)

@@ -471,6 +471,20 @@ async def test_packed_fp32_kernels_keep_hfs_greedy_output(
         return real_forward(self, x)
 
     monkeypatch.setattr(quant.PackedFp32Linear, "forward", counting)
+    # One- and two-row steps go to the fp32 GEMV kernel where it is built (on every such host
+    # here, so the wiring is tested where the measured threshold is 0): count its calls.
+    gemv_calls = [0]
+    from tiers import cpu_kernels
+
+    gemv_op = cpu_kernels.f32_linear_op() if backend == "onednn" else None
+    if gemv_op is not None:
+        monkeypatch.setattr(quant, "F32_GEMV_MAX_ROWS", max(quant.F32_GEMV_MAX_ROWS, 2))
+
+        def counted(*args: object) -> torch.Tensor:
+            gemv_calls[0] += 1
+            return gemv_op(*args)
+
+        monkeypatch.setattr(quant, "_f32_gemv_op", lambda: counted)
     packed = make_engine(worker, tiny_model_dir, name="packed")
     assert isinstance(packed, Engine)
     model = packed.runner.model
@@ -480,6 +494,10 @@ async def test_packed_fp32_kernels_keep_hfs_greedy_output(
     rows_seen.clear()
     got = await asyncio.gather(*(collect(packed, p, greedy(10)) for p in ps))
     assert sum(r in model.lm_head.packed_rows for r in rows_seen) > 0
+    alone = await collect(packed, ps[0], greedy(10))  # one sequence: one-row decode steps
+    assert alone[0] == got[0][0]
+    if gemv_op is not None:
+        assert gemv_calls[0] > 0
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     for p, g in zip(ps, got, strict=True):
         seq = list(p)

@@ -54,11 +54,22 @@ _PACKED_OPS = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise"}
 
 
 def _ran_packed_gemm(fn: Any, backend: str) -> bool:
+    return _ran(fn, _PACKED_OPS[backend])
+
+
+def _ran(fn: Any, op: str) -> bool:
     from torch.profiler import profile
 
     with profile() as prof:
         fn()
-    return any(_PACKED_OPS[backend] in e.key for e in prof.key_averages())
+    return any(op in e.key for e in prof.key_averages())
+
+
+def _gemv_rows() -> int:
+    """Rows the memory-speed fp32 kernel serves on this host (0 where it is off or not built)."""
+    from tiers import quant
+
+    return quant.F32_GEMV_MAX_ROWS if quant._f32_gemv_op() is not None else 0
 
 
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
@@ -71,7 +82,8 @@ def test_packed_fp32_linear_matches_fp64_at_every_row_count(bias: bool, backend:
     torch.manual_seed(0)
     lin = nn.Linear(256, 384, bias=bias)
     packed = PackedFp32Linear(lin, backend)  # type: ignore[arg-type]
-    expected_rows = range(4, 17) if backend == "mkl" else range(1, 34)
+    # oneDNN's packed GEMM serves every row count except the few the fp32 GEMV kernel takes.
+    expected_rows = range(4, 17) if backend == "mkl" else range(_gemv_rows() + 1, 34)
     ref_w = lin.weight.detach().double()
     for rows in range(1, 34):
         x = torch.randn(rows, 256)
@@ -80,6 +92,8 @@ def test_packed_fp32_linear_matches_fp64_at_every_row_count(bias: bool, backend:
             got = packed(x)
         assert (got.double() - ref).abs().max() < 1e-4, rows
         assert _ran_packed_gemm(lambda x=x: packed(x), backend) == (rows in expected_rows), rows
+        gemv = backend == "onednn" and rows <= _gemv_rows()
+        assert _ran(lambda x=x: packed(x), "tiered_router::f32_linear") == gemv, rows
     x3 = torch.randn(2, 3, 256)  # leading dims flatten to 6 rows
     assert torch.allclose(packed(x3), lin(x3), atol=1e-5)
 
@@ -100,7 +114,8 @@ def test_direct_call_of_a_onednn_packed_linear_is_the_modules_op(bias: bool) -> 
         with torch.no_grad():
             assert torch.equal(direct(x), packed(x)), rows
             assert torch.equal(direct(x.t().contiguous().t()), packed(x)), rows  # column-major input
-        assert _ran_packed_gemm(lambda x=x: direct(x), "onednn")
+        assert _ran_packed_gemm(lambda x=x: direct(x), "onednn") == (rows > _gemv_rows())
+        assert _ran(lambda x=x: direct(x), "tiered_router::f32_linear") == (rows <= _gemv_rows())
     mkl = PackedFp32Linear(nn.Linear(256, 384), "mkl")  # picks its kernel by row count: keeps forward
     assert direct_kernel(mkl, torch.float32) == mkl.forward
 
