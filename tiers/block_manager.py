@@ -12,6 +12,17 @@ revived by a later request with the same prefix, or evicted (its name dropped) w
 head is needed for new tokens. A sequence frees its blocks tail first, so eviction cuts chains from
 the end and a cached prefix stays reachable from its first block for as long as any of it lives.
 
+Past the last whole block a prompt shares with the cache, a block can still serve part of it: a
+named block whose first tokens are the prompt's next ones (the same prompt again: the block also
+holds the previous answer's first tokens, or the prompt's own last token that must be computed),
+or a block that was only partly filled when its last owner freed it (a finished answer's tail,
+remembered under its parent's name and its tokens). The new sequence gets a *copy* of it - it will
+write the block's remaining slots, so it cannot share it - and skips recomputing up to
+``block_size - 1`` tokens (llama.cpp's slots and SGLang's radix cache reuse a prefix to the token;
+whole-block matching alone recomputes up to 15 of them on every hit, 16 when a prompt ends on a
+block boundary). The copy itself is the pool's business: ``copy_block`` is set by the model
+runner, so this module stays torch-free.
+
 "Can't allocate" is a ``False`` return value: the scheduler decides whom to preempt.
 """
 
@@ -20,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -72,6 +84,14 @@ class BlockManager:
         self.num_evictions = 0
         self._ever_used = bytearray(num_blocks)
         self._first_uses: list[int] = []
+        self._by_first: dict[tuple[bytes, int], OrderedDict[int, tuple[int, ...]]] = {}
+        """Named blocks and free partly filled ones by (parent's name, first token): block -> the
+        tokens whose KV it holds (``match_partial``)."""
+        self._indexed: dict[int, tuple[bytes, int]] = {}
+        self.copy_block: Callable[[int, int], None] | None = None
+        """Copies one block's KV to another in the pool (set by the model runner); partly filled
+        blocks are reused only where it is set."""
+        self.num_partial_hits = 0
 
     # -- figures ------------------------------------------------------------------------------
     @property
@@ -112,25 +132,72 @@ class BlockManager:
         self.num_hit_tokens += len(found) * bs
         return found
 
+    def match_partial(
+        self, token_ids: Seq[int], prefix: Seq[int], salt: str = "", *, max_tokens: int | None = None
+    ) -> tuple[int, int] | None:
+        """After the full ``prefix`` blocks (from ``match_prefix``): a block whose first tokens
+        continue that prefix as ``token_ids`` does (see the module docstring), as ``(block, tokens
+        it serves)`` - the longest such run, capped by ``max_tokens`` like the prefix - or None.
+        Nothing is taken; ``allocate(..., partial=...)`` copies it."""
+        if not self.enable_caching or self.copy_block is None:
+            return None
+        start = len(prefix) * self.block_size
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        if limit <= start:
+            return None
+        parent = self._name_of[prefix[-1]] if prefix else root_hash(salt)
+        entries = self._by_first.get((parent, token_ids[start]))
+        if not entries:
+            return None
+        want = token_ids[start:limit]
+        best: tuple[int, int] | None = None
+        for block, tokens in entries.items():
+            n = 0
+            for a, b in zip(tokens, want, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if best is None or n > best[1]:
+                best = (block, n)
+        if best is None or best[1] == 0:
+            return None
+        self.num_hit_tokens += best[1]
+        return best
+
     # -- allocation ---------------------------------------------------------------------------
     def can_allocate(self, table: BlockTable, num_tokens: int, prefix: Seq[int] = ()) -> bool:
         need = self.blocks_for(num_tokens) - table.num_blocks - len(prefix)
         revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
         return need + revived <= len(self._free)
 
-    def allocate(self, table: BlockTable, num_tokens: int, prefix: Seq[int] = ()) -> bool:
+    def allocate(
+        self,
+        table: BlockTable,
+        num_tokens: int,
+        prefix: Seq[int] = (),
+        partial: tuple[int, int] | None = None,
+    ) -> bool:
         """Grow ``table`` to hold ``num_tokens`` tokens, starting with the cached ``prefix`` blocks
-        (from ``match_prefix``, only on an empty table). False, with nothing changed, when the
-        pool cannot supply the blocks."""
+        (from ``match_prefix``, only on an empty table) and, with ``partial`` (from
+        ``match_partial``), a fresh block holding a copy of that partly filled one. False, with
+        nothing changed, when the pool cannot supply the blocks."""
         assert not prefix or not table.blocks, "a prefix is only attached to an empty table"
+        assert partial is None or not table.blocks, "a partial block only follows a fresh prefix"
         if not self.can_allocate(table, num_tokens, prefix):
             return False
         for b in prefix:
             self._take(b)
             table.blocks.append(b)
             table.hashes.append(self._name_of[b])
-        for _ in range(self.blocks_for(num_tokens) - table.num_blocks):
-            table.blocks.append(self._take_fresh())
+        for i in range(self.blocks_for(num_tokens) - table.num_blocks):
+            b = self._take_fresh()
+            table.blocks.append(b)
+            if i == 0 and partial is not None and self.copy_block is not None:
+                # Before any other block is taken: until now the source is free but intact (or it
+                # is this very block, taken back with its contents, and the copy is a no-op).
+                if partial[0] != b:
+                    self.copy_block(partial[0], b)
+                self.num_partial_hits += 1
         return True
 
     def fork(self, parent: BlockTable, num_tokens: int) -> BlockTable:
@@ -144,13 +211,16 @@ class BlockManager:
             self.ref_counts[b] += 1
         return child
 
-    def free(self, table: BlockTable) -> None:
-        """Release every block of ``table``, tail first (see the module docstring)."""
+    def free(self, table: BlockTable, token_ids: Seq[int] = (), num_computed: int = 0) -> None:
+        """Release every block of ``table``, tail first (see the module docstring). With the
+        sequence's ``token_ids`` and how many of them have KV (``num_computed``), a partly filled
+        last block that nobody else holds is remembered for ``match_partial``."""
+        self._remember_partial(table, token_ids, num_computed)
         for b in reversed(table.blocks):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
             if self.ref_counts[b] == 0:
-                if b not in self._name_of:
+                if b not in self._name_of and b not in self._indexed:
                     # An unnamed block is worthless once free: reuse it before any cached one.
                     self._free[b] = None
                     self._free.move_to_end(b, last=False)
@@ -177,14 +247,54 @@ class BlockManager:
         full = min(num_computed // bs, table.num_blocks)
         h = table.hashes[-1] if table.hashes else root_hash(table.salt)
         for i in range(len(table.hashes), full):
-            h = chain_hash(h, token_ids[i * bs : (i + 1) * bs])
+            parent, tokens = h, token_ids[i * bs : (i + 1) * bs]
+            h = chain_hash(parent, tokens)
             table.hashes.append(h)
             b = table.blocks[i]
             if h not in self._cached and b not in self._name_of:
                 self._cached[h] = b
                 self._name_of[b] = h
+                self._index(b, parent, tokens)
 
     # -- internals ----------------------------------------------------------------------------
+    MAX_PARTIALS_PER_KEY = 16
+    """Blocks indexed per (parent, first token), most recent kept: bounds the scan in
+    ``match_partial`` when many prompts share a prefix (one system prompt, many users)."""
+
+    def _remember_partial(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
+        bs = self.block_size
+        full, used = divmod(min(num_computed, len(token_ids)), bs)
+        if not self.enable_caching or self.copy_block is None or used == 0:
+            return
+        if full >= table.num_blocks or len(table.hashes) < full:
+            return
+        b = table.blocks[full]
+        if self.ref_counts[b] != 1 or b in self._name_of or b in self._indexed:
+            return  # shared (a fork writes it too) or already known
+        parent = table.hashes[full - 1] if full else root_hash(table.salt)
+        self._index(b, parent, token_ids[full * bs : full * bs + used])
+
+    def _index(self, b: int, parent: bytes, tokens: Seq[int]) -> None:
+        if self.copy_block is None:
+            return
+        key = (parent, tokens[0])
+        entries = self._by_first.setdefault(key, OrderedDict())
+        entries[b] = tuple(tokens)
+        self._indexed[b] = key
+        while len(entries) > self.MAX_PARTIALS_PER_KEY:
+            old, _ = entries.popitem(last=False)
+            del self._indexed[old]
+            if self.ref_counts[old] == 0 and old not in self._name_of:
+                self._free.move_to_end(old, last=False)  # now as worthless as any unnamed block
+
+    def _unindex(self, b: int) -> None:
+        key = self._indexed.pop(b, None)
+        if key is not None:
+            entries = self._by_first[key]
+            del entries[b]
+            if not entries:
+                del self._by_first[key]
+
     def _take(self, b: int) -> None:
         if self.ref_counts[b] == 0:
             del self._free[b]
@@ -205,5 +315,6 @@ class BlockManager:
         if name is not None:
             del self._cached[name]
             self.num_evictions += 1
+        self._unindex(b)
         self.ref_counts[b] = 1
         return b

@@ -160,6 +160,7 @@ class ModelRunner:
         shape = (self.num_layers, num_blocks + 1, block_size, 2, self.num_kv_heads, self.head_dim)
         self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.kv[:, self.scratch_block].zero_()
+        self.blocks.copy_block = self._copy_block
         self.base = self.model.base_model
         # Llama-family models skip HF's layer stack for a lean loop over the same modules.
         self.fast = FastDecoder(self.model) if fast_path and supports_fast_path(self.model) else None
@@ -200,6 +201,11 @@ class ModelRunner:
         if self.fast is not None:
             return self._forward_flat(rows)
         return self._forward_padded(rows)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """A partly filled block's KV, every layer, into a fresh block (block_manager.py)."""
+        self._zero_new_blocks()  # dst may be new: its pending zeroing must not come after the copy
+        self.kv[:, dst] = self.kv[:, src]
 
     def _zero_new_blocks(self) -> None:
         fresh = self.blocks.take_first_uses()

@@ -441,16 +441,19 @@ class Scheduler:
         chunk (tokens to feed this step), 0 when the pool cannot hold it."""
         bs = self.blocks.block_size
         prefix: list[int] = []
+        partial: tuple[int, int] | None = None
         if seq.fork_of is not None:
             parent = seq.fork_of
             table = self.blocks.fork(parent.block_table, min(parent.num_computed_tokens, seq.num_tokens - 1))
             cached = table.num_blocks * bs
         else:
             table = seq.block_table
-            prefix = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=seq.num_tokens - 1)
-            cached = len(prefix) * bs
+            limit = seq.num_tokens - 1  # the last token is computed: its logits give the next one
+            prefix = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=limit)
+            partial = self.blocks.match_partial(seq.token_ids, prefix, seq.cache_salt, max_tokens=limit)
+            cached = len(prefix) * bs + (partial[1] if partial is not None else 0)
         n = self._chunk(seq.num_tokens - cached, budget, contended)
-        if not self.blocks.allocate(table, cached + n, prefix):
+        if not self.blocks.allocate(table, cached + n, prefix, partial):
             self.blocks.free(table)  # a fork's shared refs
             return 0
         seq.block_table = table
@@ -482,7 +485,9 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
+        # The KV of the first num_computed_tokens tokens is valid: a partly filled last block is
+        # remembered for a later prompt that continues the same way (block_manager.py).
+        self.blocks.free(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         if self.draft_blocks is not None:
             self.draft_blocks.free(seq.draft_table)
 

@@ -115,3 +115,124 @@ def test_first_uses_are_reported_once() -> None:
     again = BlockTable()
     assert bm.allocate(again, 8)  # two reused blocks, two never used
     assert len(bm.take_first_uses()) == 2
+
+
+# -- partly filled blocks ---------------------------------------------------------------------------
+
+
+class CopyLog:
+    """Stands in for the pool: records the copies the manager asks for."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.copies: list[tuple[int, int]] = []
+        bm.copy_block = lambda src, dst: self.copies.append((src, dst))
+
+
+def finished(bm: BlockManager, tokens: list[int], salt: str = "") -> BlockTable:
+    """A sequence whose KV holds ``tokens``, freed the way the scheduler frees it."""
+    t = filled(bm, tokens, salt)
+    blocks = list(t.blocks)
+    bm.free(t, tokens, len(tokens))
+    t.blocks = blocks  # keep the ids for the test's assertions
+    return t
+
+
+def test_a_partly_filled_block_is_copied_for_a_prompt_that_continues_it() -> None:
+    """Catches a partial block shared instead of copied (both sequences would write its free
+    slots), a match longer than the tokens really held, and the prompt's last token served from
+    the cache (its logits are needed)."""
+    bm = BlockManager(16, 4)
+    log = CopyLog(bm)
+    done = finished(bm, list(range(10)))  # blocks: [0..3] [4..7] [8, 9]
+    prompt = [*range(10), 50, 51]
+    prefix = bm.match_prefix(prompt, max_tokens=len(prompt) - 1)
+    assert prefix == done.blocks[:2]
+    partial = bm.match_partial(prompt, prefix, max_tokens=len(prompt) - 1)
+    assert partial == (done.blocks[2], 2)
+    t = BlockTable()
+    assert bm.allocate(t, len(prompt), prefix, partial)
+    assert t.blocks[:2] == prefix and t.blocks[2] != done.blocks[2]
+    assert log.copies == [(done.blocks[2], t.blocks[2])] and bm.num_partial_hits == 1
+    # Diverging inside the block: only the common tokens; the last token is never served.
+    assert bm.match_partial([*range(9), 77], prefix) == (done.blocks[2], 1)
+    assert bm.match_partial(list(range(10)), prefix, max_tokens=9) == (done.blocks[2], 1)
+    assert bm.match_partial([*range(8), 70, 71], prefix) is None
+
+
+def test_partial_blocks_stay_in_their_partition_and_prefix() -> None:
+    bm = BlockManager(16, 4)
+    CopyLog(bm)
+    finished(bm, [1, 2, 3], salt="a")  # no full block: the parent is the partition's root
+    assert bm.match_partial([1, 2, 3, 4], [], "a") is not None
+    assert bm.match_partial([1, 2, 3, 4], [], "b") is None
+    finished(bm, [9, 9, 9, 9, 1, 2])
+    other = filled(bm, [8, 8, 8, 8])  # same tokens after a different first block
+    assert bm.match_partial([8, 8, 8, 8, 1, 2, 5], other.blocks[:1]) is None
+
+
+def test_a_shared_or_unknown_tail_is_not_remembered() -> None:
+    """A fork's partly filled block is written by both branches; without the tokens (draft
+    pools, rollbacks) nothing is known about its content."""
+    bm = BlockManager(16, 4)
+    CopyLog(bm)
+    parent = filled(bm, list(range(6)))
+    child = BlockTable()
+    child.blocks, child.hashes = list(parent.blocks), list(parent.hashes)
+    for b in child.blocks:
+        bm.ref_counts[b] += 1
+    first = parent.blocks[:1]
+    bm.free(parent, list(range(6)), 6)  # the tail is still the child's
+    assert bm.match_partial([*range(6), 1], first) is None
+    bm.free(child)  # no tokens given
+    assert bm.match_partial([*range(6), 1], first) is None
+
+
+def test_a_reused_partial_block_is_forgotten_and_the_source_can_be_the_copy() -> None:
+    """Catches a stale entry pointing at a block now holding other KV."""
+    bm = BlockManager(1, 4)
+    log = CopyLog(bm)
+    done = finished(bm, [1, 2, 3])
+    prompt = [1, 2, 3, 9]
+    partial = bm.match_partial(prompt, [], max_tokens=3)
+    assert partial == (done.blocks[0], 3)
+    t = BlockTable()
+    # A one-block pool: the source itself is taken back, its KV already in place (no copy).
+    assert bm.allocate(t, 4, (), partial)
+    assert t.blocks == done.blocks and log.copies == [] and bm.num_partial_hits == 1
+    bm.free(t)  # now holding other KV, unknown: nothing to find
+    assert bm.match_partial(prompt, [], max_tokens=3) is None
+
+
+def test_partials_per_prefix_are_bounded_oldest_first() -> None:
+    bm = BlockManager(64, 4)
+    CopyLog(bm)
+    for i in range(BlockManager.MAX_PARTIALS_PER_KEY + 3):
+        finished(bm, [7, 100 + i])
+    hit = bm.match_partial([7, 100, 0], [])
+    assert hit is not None and hit[1] == 1  # only the shared first token: the oldest was forgotten
+    last = 100 + BlockManager.MAX_PARTIALS_PER_KEY + 2
+    hit = bm.match_partial([7, last, 0], [])
+    assert hit is not None and hit[1] == 2
+
+
+def test_a_named_block_serves_the_start_of_a_repeated_prompt() -> None:
+    """The same prompt again: its last token must be computed, so whole-block matching stops a
+    block short (16 tokens recomputed when the prompt ends on a block boundary); the named block
+    that holds those tokens serves all but the last, by copy. Catches the last token served."""
+    bm = BlockManager(16, 4)
+    log = CopyLog(bm)
+    prompt = list(range(8))
+    done = filled(bm, [*prompt, 40, 41])  # the prompt and two answer tokens: blocks 0, 1 named
+    prefix = bm.match_prefix(prompt, max_tokens=7)
+    assert prefix == done.blocks[:1]
+    assert bm.match_partial(prompt, prefix, max_tokens=7) == (done.blocks[1], 3)
+    t = BlockTable()
+    assert bm.allocate(t, 8, prefix, (done.blocks[1], 3))
+    assert log.copies == [(done.blocks[1], t.blocks[1])]  # in use by `done`: copied, not shared
+    assert bm.ref_counts[done.blocks[1]] == 1
+
+
+def test_without_a_copy_function_nothing_is_remembered() -> None:
+    bm = BlockManager(8, 4)
+    finished(bm, [1, 2, 3])
+    assert bm.match_partial([1, 2, 3, 4], []) is None

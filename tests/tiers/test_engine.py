@@ -200,6 +200,30 @@ async def test_prefix_cache_reuse_gives_identical_output(worker: DeviceWorker, t
     assert second[0] == cold[0]
 
 
+async def test_prefix_cache_serves_a_repeated_prompt_and_a_next_turn_to_the_token(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """Past the last whole cached block, a copied block serves the rest of a repeated prompt (all
+    but its last token) and of a chat's next turn (the previous answer up to its last computed
+    token). Compared with an engine without a prefix cache (the reference). Catches KV copied from
+    the wrong block, into a block the forward then zeroes, or shared and overwritten; and checks
+    the copies happened (cached counts past whole blocks)."""
+    eng = make_engine(worker, tiny_model_dir, prefix_caching=True, name="to-the-token")
+    cold = make_engine(worker, tiny_model_dir, name="to-the-token-cold")
+    assert isinstance(eng, Engine) and isinstance(cold, Engine)
+    prompt = prompts(1, seed=41)[0][:22]  # 22 tokens: 5 whole blocks of 4 and 2 more
+    first = await collect(eng, prompt, greedy(8))
+    again = await collect(eng, prompt, greedy(8))
+    assert first[3].num_cached_tokens == 0
+    assert again[3].num_cached_tokens == len(prompt) - 1  # whole blocks alone: 20
+    assert again[0] == first[0] == (await collect(cold, prompt, greedy(8)))[0]
+    turn = [*prompt, *first[0], 9, 10, 11]  # 22 + 8 + 3 tokens; the KV held 22 + 7 of them
+    warm = await collect(eng, turn, greedy(8))
+    assert warm[3].num_cached_tokens == len(prompt) + len(first[0]) - 1  # whole blocks alone: 28
+    assert warm[0] == (await collect(cold, turn, greedy(8)))[0]
+    assert eng.runner.blocks.num_partial_hits == 2
+
+
 # -- engine v2: paged KV, preemption, forks, hooks -----------------------------------------------
 
 
