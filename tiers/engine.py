@@ -449,14 +449,15 @@ class Engine:
         seqs = batch.seqs
         # A prompt's last chunk gives the first token from the target alone: the draft's feed of
         # it is deferred, so TTFT never pays for the draft's prefill. The scheduler then catches
-        # the draft up in the row's first decode step, and it speculates from the next one.
+        # the draft up in the row's first decode step, and it speculates from the next one. The
+        # last chunk may be one token: the prefix cache serves prompts to the token.
         wants = [i for i, n in enumerate(batch.num_draft_tokens) if n > 0]
         feeding = [
             i
             for i in wants
             if not (
                 batch.num_spec_tokens[i] == 0
-                and batch.num_new_tokens[i] > 1
+                and (batch.num_new_tokens[i] > 1 or seqs[i].num_output_tokens == 0)
                 and seqs[i].num_computed_tokens + batch.num_new_tokens[i] == seqs[i].num_tokens
             )
         ]

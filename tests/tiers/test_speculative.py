@@ -504,3 +504,45 @@ def test_a_k_not_in_use_is_priced_against_the_plain_steps_current_cost() -> None
     rate = c.expected_rate(1, 16)
     assert rate is not None and rate == pytest.approx(1.9 / (0.200 + 0.020), rel=1e-3)
     assert all(c.choose_k(16) == 0 for _ in range(10))
+
+
+async def test_a_prompt_served_to_the_token_still_gets_its_first_token_without_the_draft(
+    worker: DeviceWorker, tiny_model_dir: Path, plain: Engine
+) -> None:
+    """A repeated prompt's last chunk is one token (the prefix cache serves the rest): that step
+    too runs the target alone. Catches the deferral keyed on chunks of several tokens only (the
+    draft's catch-up then lands in the time to first token)."""
+    eng = make_engine(
+        worker,
+        tiny_model_dir,
+        draft_quantization="int8",
+        speculative_tokens=4,
+        prefix_caching=True,
+        name="spec-ptt",
+    )
+    assert isinstance(eng, Engine) and eng.draft is not None
+    p = prompts(1, seed=23)[0] * 2
+    first = await collect(eng, p, greedy(12))
+    events: list[tuple[str, list[int]]] = []
+    real_forward = eng.draft.forward
+
+    def counting(rows: list) -> list:  # type: ignore[type-arg]
+        events.append(("draft", [len(r.token_ids) for r in rows]))
+        return real_forward(rows)
+
+    eng.spec.fixed_k = 3
+    eng.draft.forward = counting  # type: ignore[method-assign]
+    eng.step_hook = lambda batch: events.append(("step", list(batch.num_new_tokens)))
+    deferred = eng.num_deferred_draft_feeds
+    try:
+        again = await collect(eng, p, greedy(12))
+    finally:
+        eng.draft.forward = real_forward  # type: ignore[method-assign]
+        eng.step_hook = None
+        eng.spec.fixed_k = None
+    assert again[3].num_cached_tokens == len(p) - 1
+    steps = [i for i, e in enumerate(events) if e[0] == "step"]
+    assert events[steps[0]][1] == [1] and steps[1] == steps[0] + 1  # the target alone
+    assert eng.num_deferred_draft_feeds == deferred + 1
+    assert again[0] == first[0] == (await collect(plain, p, greedy(12)))[0]
+    assert again[3].num_draft_tokens > 0
