@@ -203,7 +203,8 @@ class ModelRunner:
         return self._forward_padded(rows)
 
     def _copy_block(self, src: int, dst: int) -> None:
-        """A partly filled block's KV, every layer, into a fresh block (block_manager.py)."""
+        """One block's KV, every layer, into a fresh one: a prefix hit past the last whole block
+        (block_manager.py)."""
         self._zero_new_blocks()  # dst may be new: its pending zeroing must not come after the copy
         self.kv[:, dst] = self.kv[:, src]
 
