@@ -203,13 +203,13 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
     if isinstance(mod, PackedFp32Linear) and mod.backend == "onednn" and dtype == torch.float32:
         op, packed, bias = torch.ops.mkldnn._linear_pointwise, mod.weight_packed, mod.bias
         gemv, weight, limit = _f32_gemv_op(), mod.weight.detach(), F32_GEMV_MAX_ROWS
+
+        def onednn(x: torch.Tensor) -> torch.Tensor:
+            return op(x.contiguous(), packed, bias, "none", [], "")
+
         if gemv is None:
-            return lambda x: op(x.contiguous(), packed, bias, "none", [], "")
-        return lambda x: (
-            gemv(x.contiguous(), weight, bias)
-            if x.shape[0] <= limit
-            else op(x.contiguous(), packed, bias, "none", [], "")
-        )
+            return onednn
+        return lambda x: gemv(x.contiguous(), weight, bias) if x.shape[0] <= limit else onednn(x)
     return mod.forward
 
 

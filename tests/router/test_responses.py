@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pytest
+
 from router.calls import Generation
 from router.choices import Merged
 from router.policy.decide import Decision
@@ -87,21 +89,13 @@ def writer_and_generation(stream: bool) -> tuple[ResponseWriter, InFlight, Gener
     return writer, in_flight, gen, Decision("small", "r", "test", 0.0)
 
 
-async def test_collect_leaves_in_flight_when_its_close_is_cancelled() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["collect", "sse"])
+async def test_the_writer_leaves_in_flight_when_its_close_is_cancelled(stream: bool) -> None:
     # Before: the count stayed at 1 and a drain waited for a request that no longer existed.
-    writer, in_flight, gen, d = writer_and_generation(stream=False)
+    writer, in_flight, gen, d = writer_and_generation(stream=stream)
     slow = SlowClose()
-    task = asyncio.create_task(writer.collect(gen, d, slow, {}, 1, timeout_s=30))
-    await asyncio.sleep(0.01)
-    assert in_flight.count == 1
-    await cancel_twice(task, slow)
-    assert in_flight.count == 0
-
-
-async def test_sse_leaves_in_flight_when_its_close_is_cancelled() -> None:
-    writer, in_flight, gen, d = writer_and_generation(stream=True)
-    slow = SlowClose()
-    task = asyncio.create_task(writer.sse(gen, d, slow, {}, 1, timeout_s=30))
+    write = writer.sse if stream else writer.collect
+    task = asyncio.create_task(write(gen, d, slow, {}, 1, timeout_s=30))
     await asyncio.sleep(0.01)
     assert in_flight.count == 1
     await cancel_twice(task, slow)
