@@ -30,7 +30,7 @@ import torch
 from tiers.model_runner import ModelRunner, RowInput
 from tiers.output import IncrementalDetokenizer, StepOutput, TokenLogprob
 from tiers.pacing import Backlog, Pace, predict_wait
-from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle
+from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle, push_all
 from tiers.sampling import Draft as _Draft
 from tiers.sampling import choose_tokens, propose_tokens, target_logits, token_logprob
 from tiers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -103,10 +103,14 @@ class Engine:
         self._shared_generator = torch.Generator().manual_seed(0)
         self._k = 0
         self._matcher_advance: dict[int, int] = {}
-        self._delivered: set[int] = set()
-        """Rows of the current step whose tokens were already appended and emitted."""
         """Tokens each constrained row's matcher took during this step's drafting (rolled back
         by what the target rejects, or all of it when the step fails)."""
+        self._delivered: set[int] = set()
+        """Rows of the current step whose tokens were already appended and emitted."""
+        self._outbox: list[tuple[RequestHandle, StepOutput]] | None = None
+        """A step's outputs, handed to the event loop in one call when the step ends: one wake-up
+        of the loop per step instead of one per row, so the loop does not take the GIL from the
+        step's own postprocessing sixteen times over."""
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
         """Called before each step's forwards (tests inject faults and count steps here)."""
         self.num_steps = 0
@@ -318,6 +322,7 @@ class Engine:
         self._drain_inbox()
         batch = None
         started = time.perf_counter()
+        self._outbox = []
         try:
             # k for the batch these rows decode in: a wave of new prompts (none decoding yet)
             # decodes as a full batch next step, and its draft feed is decided by this k.
@@ -336,6 +341,9 @@ class Engine:
             log.exception("engine %s: step failed", self.name)
             for seq in list(batch.seqs if batch is not None else self.scheduler.running):
                 self._fail(seq, "internal error in the engine step")
+        finally:
+            outbox, self._outbox = self._outbox, None
+            push_all(outbox)
         elapsed = time.perf_counter() - started
         if batch is not None:
             tokens = sum(batch.num_new_tokens)  # decodes and prompt chunks (verification excluded)
@@ -708,7 +716,10 @@ class Engine:
         tracked.pending_logprobs = []
         if finish_reason is not None:
             out.timings = _timings(seq)
-        tracked.handle._push_threadsafe(out)
+        if self._outbox is not None:
+            self._outbox.append((tracked.handle, out))
+        else:
+            tracked.handle._push_threadsafe(out)
 
     def _finish(
         self, tracked: _Tracked, status: SequenceStatus, reason: str, error: str | None = None

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from tiers.output import StepOutput
     from tiers.sequence import Sequence
 
-__all__ = ["EngineFullError", "EngineLoad", "EngineObserver", "RequestHandle"]
+__all__ = ["EngineFullError", "EngineLoad", "EngineObserver", "RequestHandle", "push_all"]
 
 
 class EngineFullError(RuntimeError):
@@ -65,6 +65,11 @@ class RequestHandle:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             self._loop.call_soon_threadsafe(self._push, out)
 
+    @staticmethod
+    def _push_many(items: list[tuple[RequestHandle, StepOutput]]) -> None:  # runs on the event loop
+        for handle, out in items:
+            handle._push(out)
+
     def abort(self) -> None:
         if not self.finished:
             self.engine.abort(self.seq)
@@ -81,3 +86,13 @@ class RequestHandle:
         finally:
             if not self.finished:  # the consumer went away (client disconnect, cancellation)
                 self.abort()
+
+
+def push_all(items: list[tuple[RequestHandle, StepOutput]]) -> None:
+    """Hand outputs from the device thread to their event loops: one call per loop, in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, StepOutput]]] = {}
+    for handle, out in items:
+        by_loop.setdefault(handle._loop, []).append((handle, out))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            loop.call_soon_threadsafe(RequestHandle._push_many, batch)

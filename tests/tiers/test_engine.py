@@ -529,3 +529,27 @@ async def test_packed_fp32_kernels_keep_hfs_greedy_output(
             for _ in range(10):
                 seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
         assert g[0] == seq[len(p) :]
+
+
+async def test_a_steps_outputs_reach_the_event_loop_in_one_call(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight requests decoding together: each step hands all its outputs to the event loop at
+    once (one wake-up, not eight that take the GIL from the step's own postprocessing), and every
+    request still gets every token, in order. Catches a per-row push and an outbox never flushed."""
+    loop = asyncio.get_running_loop()
+    calls = [0]
+    original = loop.call_soon_threadsafe
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kw)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    steps_before = engine.num_steps
+    outs = await asyncio.gather(*(collect(engine, p, greedy(16)) for p in prompts(8, seed=5)))
+    steps, pushed = engine.num_steps - steps_before, calls[0]
+    assert 16 <= steps and pushed <= steps  # at most one a step
+    assert all(len(o[0]) == 16 and o[2] == "length" for o in outs)
+    alone = [await collect(engine, p, greedy(16)) for p in prompts(8, seed=5)]
+    assert [o[0] for o in outs] == [a[0] for a in alone]

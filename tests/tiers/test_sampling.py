@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from tiers.sampling import apply_logit_bias, apply_penalties, draw, probs_batch
-from tiers.sequence import SamplingParams
+from tiers.sampling import (
+    _stacked,
+    apply_logit_bias,
+    apply_penalties,
+    choose_tokens,
+    draw,
+    probs_batch,
+    target_logits,
+)
+from tiers.sequence import SamplingParams, Sequence
 
 
 def test_frequency_and_presence_penalties_follow_openai() -> None:
@@ -85,3 +93,25 @@ def test_logit_bias_adds_to_the_named_tokens_only() -> None:
     logits = torch.zeros(2, 5)
     apply_logit_bias(logits, ((1, 100.0), (3, -100.0), (99, 5.0)))
     assert logits[0].tolist() == [0.0, 100.0, 0.0, -100.0, 0.0] and logits[1].tolist() == logits[0].tolist()
+
+
+def test_unprocessed_rows_are_chosen_from_the_step_logits_without_copies() -> None:
+    """Greedy rows without bias, penalties or grammar take their tokens from the runner's logits
+    in place (a clone and a concatenation of [16, 49k] cost ~0.3 ms a step); a row that writes its
+    logits still gets its own copy, so it never changes what another row reads."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)  # the runner's [M, V]; rows are views of it
+    rows = [logits[i : i + 1] for i in range(4)]
+    plain = Sequence([1, 2], SamplingParams(temperature=0))
+    biased = Sequence([1, 2], SamplingParams(temperature=0, logit_bias=((7, 100.0),)))
+    seqs = [plain, biased, plain, plain]
+    chunks = [target_logits(s, r, None, frozenset()) for s, r in zip(seqs, rows, strict=True)]
+    assert chunks[0].data_ptr() == logits.data_ptr() and chunks[1].data_ptr() != rows[1].data_ptr()
+    assert logits[1, 7] < 100  # the bias went to the copy
+    stacked = _stacked([chunks[0], rows[1], chunks[2], chunks[3]])
+    assert stacked.data_ptr() == logits.data_ptr() and torch.equal(stacked, logits)  # a view, not a copy
+    mixed = _stacked(chunks)  # the biased copy breaks the run: concatenated
+    assert mixed.data_ptr() != logits.data_ptr() and torch.equal(mixed, torch.cat(chunks))
+    assert torch.equal(_stacked([rows[2], rows[0]]), torch.cat([rows[2], rows[0]]))  # out of order
+    picked = choose_tokens(seqs, chunks, [None] * 4, [None] * 4, torch.Generator())
+    assert picked.tokens == [int(logits[0].argmax()), 7, int(logits[2].argmax()), int(logits[3].argmax())]
