@@ -39,6 +39,7 @@ def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.quantization,
         cfg.quant_group_size,
         cfg.quantize_head,
+        cfg.activation_quantization,
         cfg.device,
         cfg.max_num_seqs,
         cfg.max_queue,
@@ -159,7 +160,15 @@ class TierSet:
 
 
 def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
-    return (cfg.model, cfg.dtype, cfg.quantization, cfg.quant_group_size, cfg.quantize_head, cfg.device)
+    return (
+        cfg.model,
+        cfg.dtype,
+        cfg.quantization,
+        cfg.quant_group_size,
+        cfg.quantize_head,
+        cfg.activation_quantization,
+        cfg.device,
+    )
 
 
 def _check_draft_compatible(
@@ -231,6 +240,7 @@ def build_tiers(
                 quantization=cfg.quantization,
                 group_size=cfg.quant_group_size,
                 int4_head=cfg.quantize_head,
+                int8_activations=cfg.activation_quantization == "int8",
             )
 
         models[key] = worker.call(load)

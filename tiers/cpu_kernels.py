@@ -8,7 +8,10 @@ residual add and HF's RMSNorm in one pass instead of ~8 torch ops) - and
 ``tiered_router::paged_attention`` (paged_attention.cpp: attention of a few query tokens per row
 read in place from the paged KV pool, fp32 softmax; not bitwise torch's flash kernel, which it
 replaces only on the fast path's short-query groups) and ``tiered_router::rope_kv_write``
-(rope_kv.cpp: q/k rotary embedding plus the layer's K/V write, bitwise the torch ops).
+(rope_kv.cpp: q/k rotary embedding plus the layer's K/V write, bitwise the torch ops),
+``tiered_router::f32_linear`` (f32_gemv.cpp: the fp32 tier's one- and two-row projections) and
+``tiered_router::w4a8_mm`` (w4a8_mm.cpp: int4 weights times per-group int8 activations, integer dot
+products; bitwise ``tiers.quant.w4a8_reference``, for tiers with ``activation_quantization: int8``).
 ``make install`` compiles them
 into one shared object with the system C++ compiler against the installed torch (``python -m
 tiers.cpu_kernels``); its name carries a hash of every source, torch's version and the flags, so a
@@ -38,6 +41,7 @@ __all__ = [
     "library_path",
     "paged_attention_op",
     "rope_kv_write_op",
+    "w4a8_mm_op",
 ]
 
 log = logging.getLogger(__name__)
@@ -169,6 +173,14 @@ def f32_linear_op() -> Any | None:
     a few rows, reading ``weight`` in its ``[out, in]`` layout at memory speed (f32_gemv.cpp),
     when built and applicable here, else ``None``."""
     return torch.ops.tiered_router.f32_linear if _library_loaded() else None
+
+
+def w4a8_mm_op() -> Any | None:
+    """``torch.ops.tiered_router.w4a8_mm(a, w, group_size, scales_and_zeros)``: int4 weights in
+    ``tiers.quant.pack_w4a8``'s layout times bf16 activations quantized to int8 per group
+    (w4a8_mm.cpp; bitwise ``tiers.quant.w4a8_reference``), when built and applicable here, else
+    ``None``."""
+    return torch.ops.tiered_router.w4a8_mm if _library_loaded() else None
 
 
 def main() -> int:

@@ -220,6 +220,7 @@ def load_model(
     quantization: QuantMethod = "none",
     group_size: int = 32,
     int4_head: bool = False,
+    int8_activations: bool = False,
 ) -> LoadedModel:
     """Load a tier's model at its operating point (device, dtype, weight quantization)."""
     import torch
@@ -246,7 +247,13 @@ def load_model(
     hf_model.requires_grad_(False)
     hf_model.to(dev)  # type: ignore[arg-type]
     if quantization != "none":
-        quantize_model(hf_model, quantization, group_size=group_size, int4_head=int4_head)
+        quantize_model(
+            hf_model,
+            quantization,
+            group_size=group_size,
+            int4_head=int4_head,
+            int8_activations=int8_activations,
+        )
         hf_model.to(torch_dtype)  # type: ignore[arg-type]
     if dev.type == "cpu":
         _own_memory(hf_model)

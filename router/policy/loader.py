@@ -253,6 +253,11 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
                 parse_memory(tier.kv_cache_memory, device_total=1)
             except ValueError as exc:
                 ctx.error((*p, "kv_cache_memory"), str(exc))
+        if tier.activation_quantization != "none" and tier.quantization != "int4":
+            ctx.error(
+                (*p, "activation_quantization"),
+                f"'{tier.activation_quantization}' needs quantization: int4, got {tier.quantization}",
+            )
         if tier.quant_group_size not in (32, 64, 128):
             ctx.error((*p, "quant_group_size"), f"must be 32, 64 or 128, got {tier.quant_group_size}")
         if tier.speculative_tokens > 16:

@@ -58,6 +58,10 @@ class TierConfig:
     """int4: input channels sharing one scale/zero (32, 64 or 128); larger is cheaper and coarser."""
     quantize_head: bool = False
     """int4: quantize the output head to int4 too (default int8: it decides every token)."""
+    activation_quantization: Literal["none", "int8"] = "none"
+    """int4: ``int8`` quantizes each row's activations to int8 per weight group at run time (W4A8,
+    llama.cpp's Q8 activations) and runs integer dot products: ~2.5x faster int4 projections on
+    the CPU, with W4A8 numbers rather than the bf16 ones. ``none``: bf16 activations."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``..."""
     max_num_seqs: int = 16

@@ -393,3 +393,78 @@ def test_fp32_layers_use_it_up_to_the_row_threshold(f32_linear: Any, monkeypatch
                 assert ("tiered_router::f32_linear" in keys) == (rows <= limit), rows
                 assert ("mkldnn::_linear_pointwise" in keys) == (rows > limit), rows
                 torch.testing.assert_close(fn(x), onednn, atol=1e-5, rtol=1e-5)
+
+
+# -- W4A8: int4 weights x int8 activations -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def w4a8() -> Any:
+    got = cpu_kernels.w4a8_mm_op()
+    assert got is not None, f"kernels not built at {cpu_kernels.library_path()}: run `make kernels`"
+    return got
+
+
+def w4a8_case(n: int, k: int, group: int, m: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    sz = torch.stack(
+        [torch.rand(k // group, n, generator=g) * 0.02, torch.randn(k // group, n, generator=g) * 0.01], -1
+    ).to(torch.bfloat16)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    x[0, :group] = 0  # a group of zeros: scale 0, every product 0
+    if m > 1:
+        x[1, group : 2 * group] = torch.linspace(-2, 2, group)  # ties at .5 after scaling (63.5 -> 64)
+    return x, q, sz
+
+
+# SmolLM2-135M's fused qkv, o, gate_up, down and head shapes at the small tier's group (64), the
+# medium tier's (32) and 128.
+@pytest.mark.parametrize(
+    ("n", "k", "group"),
+    [(960, 576, 64), (576, 576, 32), (3072, 576, 64), (576, 1536, 32), (128, 256, 128), (49152, 576, 64)],
+)
+def test_w4a8_kernel_is_bitwise_the_torch_reference_at_every_row_count(
+    w4a8: Any, threads: int, n: int, k: int, group: int
+) -> None:
+    """Catches a wrong nibble-to-channel map, scales paired with the wrong channels or groups, an
+    activation rounding other than half-to-even, an FMA where the definition has a multiply and an
+    add, and lost rows at the register-tile tails (8 rows a tile on AVX512, 2 on AVX2). Equality
+    at every row count is also the batch invariance: a row's output never depends on the others."""
+    for m in (1, 2, 7, 8, 9, 16, 17, 33) if n < 10000 else (1, 16):
+        x, q, sz = w4a8_case(n, k, group, m)
+        ref = quant.w4a8_reference(x, q, group, sz)
+        got = w4a8(x, quant.pack_w4a8(q), group, sz)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"m={m}"
+
+
+def test_w4a8_kernel_refuses_what_it_would_misread_with_the_reason(w4a8: Any) -> None:
+    x, q, sz = w4a8_case(64, 96, 32, 2)
+    with pytest.raises(RuntimeError, match="group_size 24 must divide K=96 and be a multiple of 16"):
+        w4a8(x, quant.pack_w4a8(q), 24, sz)
+    with pytest.raises(RuntimeError, match="W holds 64 inputs, A has 96"):
+        w4a8(x, quant.pack_w4a8(q[:, :64]), 32, sz)
+    with pytest.raises(RuntimeError, match="A must be 2-D bf16"):
+        w4a8(x.float(), quant.pack_w4a8(q), 32, sz)
+
+
+def test_w4a8_layers_run_the_kernel_and_equal_the_torch_path(
+    w4a8: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the module and the fast path's direct call: the kernel runs (profiled) and gives the
+    bits of the layer built without it (plain weights, torch ops)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 192, bias=False)
+    lin = Int4WeightOnlyLinear(linear, 64, int8_activations=True)
+    assert lin._w4a8_packed and lin.weight_q.shape == (192 // 32, 256 // 4, 64)
+    x = (torch.randn(5, 256) * 2).to(torch.bfloat16)
+    with torch.no_grad():
+        for fn in (lin, quant.direct_kernel(lin, torch.bfloat16)):
+            assert "tiered_router::w4a8_mm" in _profiled_keys(lambda fn=fn: fn(x))
+        got = lin(x)
+        monkeypatch.setattr(quant, "_w4a8_op", lambda: None)
+        plain = Int4WeightOnlyLinear(linear, 64, int8_activations=True)
+        assert not plain._w4a8_packed and plain.weight_q.shape == (192, 256)
+        assert "tiered_router::w4a8_mm" not in _profiled_keys(lambda: plain(x))
+        assert torch.equal(plain(x).view(torch.int16), got.view(torch.int16))

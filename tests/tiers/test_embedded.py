@@ -27,14 +27,18 @@ QUESTIONS = [
 
 
 def build(
-    worker: DeviceWorker, embedded_model_dir: Path, quantization: str, draft: str | None = None
+    worker: DeviceWorker,
+    embedded_model_dir: Path,
+    quantization: str,
+    draft: str | None = None,
+    **load_kw: Any,
 ) -> Engine:
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
     from tiers.scheduler import SchedulerConfig
 
     def make() -> Engine:
-        target = load_model("embedded:smollm2-135m-instruct", quantization=quantization)  # type: ignore[arg-type]
+        target = load_model("embedded:smollm2-135m-instruct", quantization=quantization, **load_kw)  # type: ignore[arg-type]
         draft_runner = None
         if draft is not None:
             d = load_model("embedded:smollm2-135m-instruct", quantization=draft)  # type: ignore[arg-type]
@@ -148,3 +152,37 @@ async def test_drafting_is_lossless_on_the_real_model(
     plain_out = await asyncio.gather(*(run(plain, p, 24) for p in ids))
     assert [s[0] for s in spec_out] == [p[0] for p in plain_out]
     assert sum(s[2].num_accepted_tokens for s in spec_out) > 0
+
+
+async def test_w4a8_small_tier_is_coherent_batch_invariant_and_runs_the_kernel(
+    worker: DeviceWorker, embedded_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default small tier's operating point (int4 g64, int4 head, int8 activations): the W4A8
+    kernel serves its projections (counted), it answers sensibly, and 16 greedy requests together
+    give exactly their tokens alone - each row's activation scales are its own, so unlike a
+    batched float GEMM nothing may differ with the batch."""
+    from tiers import cpu_kernels, quant
+
+    op = cpu_kernels.w4a8_mm_op()
+    if op is None:
+        pytest.skip("kernels not built for this host: the torch path is tested in test_quant.py")
+    calls = [0]
+
+    def counting(*args: Any) -> Any:
+        calls[0] += 1
+        return op(*args)
+
+    monkeypatch.setattr(quant, "_w4a8_op", lambda: counting)
+    small = build(worker, embedded_model_dir, "int4", group_size=64, int4_head=True, int8_activations=True)
+    try:
+        calls[0] = 0  # warm-up's forwards aside
+        toks, text, _ = await run(small, encode(small, "What is the capital of France?"), 30)
+        assert "Paris" in text
+        assert calls[0] >= len(toks) * (30 * 4 + 1)  # 4 fused projections a layer, 30 layers, the head
+        ids = [encode(small, q) for q in QUESTIONS] * 2
+        lengths = [8 + 3 * (i % 6) for i in range(16)]
+        alone = [await run(small, p, n) for p, n in zip(ids, lengths, strict=True)]
+        together = await asyncio.gather(*(run(small, p, n) for p, n in zip(ids, lengths, strict=True)))
+        assert [t[0] for t in together] == [a[0] for a in alone]
+    finally:
+        worker.remove_engine(small)

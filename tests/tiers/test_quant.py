@@ -140,7 +140,9 @@ def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings untouched
 
 
-@pytest.mark.parametrize("kind", ["linear", "mkl_packed", "onednn_packed", "int8", "int4"])
+@pytest.mark.parametrize(
+    "kind", ["linear", "mkl_packed", "onednn_packed", "int8", "int4", "int4_int8_activations"]
+)
 def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None:
     """q/k/v fused into one call give exactly the separate outputs (the fast path relies on it)."""
     from torch import nn
@@ -160,11 +162,12 @@ def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None
         "onednn_packed": lambda m: PackedFp32Linear(m, "onednn"),
         "int8": Int8WeightOnlyLinear,
         "int4": lambda m: Int4WeightOnlyLinear(m, 32),
+        "int4_int8_activations": lambda m: Int4WeightOnlyLinear(m, 32, int8_activations=True),
     }[kind]
     mods = [make(nn.Linear(256, n, bias=False)) for n in (256, 64, 64)]
     fused = fuse_linears(mods)
     assert fused is not None and fused.out_features == 384
-    x = torch.randn(5, 256, dtype=torch.bfloat16 if kind in ("int8", "int4") else torch.float32)
+    x = torch.randn(5, 256, dtype=torch.float32 if "packed" in kind or kind == "linear" else torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(fused(x), torch.cat([m(x) for m in mods], dim=-1))
         assert torch.equal(FusedSlice(fused, 256, 320)(x), mods[1](x))
@@ -186,3 +189,78 @@ def test_int4_parts_fuse_only_in_whole_pack_blocks(sizes: tuple[int, ...], fusab
     if fused is not None:
         x = torch.randn(5, 64, dtype=torch.bfloat16)
         assert torch.equal(fused(x), torch.cat([m(x) for m in mods], dim=-1))
+
+
+def _w4a8_numpy(x: torch.Tensor, q: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
+    """W4A8 as w4a8_mm.cpp defines it, in numpy: integer dots in int64, fp32 ops one at a time."""
+    import numpy as np
+
+    f32 = np.float32
+    xf = x.float().numpy().reshape(x.shape[0], -1, group)
+    qq = q.numpy().astype(np.int64).reshape(q.shape[0], -1, group)
+    s, z = sz[..., 0].float().numpy(), sz[..., 1].float().numpy()
+    out = np.zeros((x.shape[0], q.shape[0]), dtype=f32)
+    for m in range(x.shape[0]):
+        acc = np.zeros(q.shape[0], dtype=f32)
+        for g in range(xf.shape[1]):
+            amax = f32(np.abs(xf[m, g]).max())
+            inv = f32(f32(127) / amax) if amax > 0 else f32(0)
+            sa = f32(amax / f32(127))
+            xq = np.rint(xf[m, g] * inv).astype(np.int64)  # rint: half to even
+            dots = (qq[:, g] * xq).sum(-1)
+            z8 = (z[g] - s[g] * f32(8)).astype(f32)
+            c = (dots.astype(f32) * (s[g] * sa).astype(f32)).astype(f32)
+            c = (c + (z8 * f32(sa * f32(xq.sum()))).astype(f32)).astype(f32)
+            acc = (acc + c).astype(f32)
+        out[m] = acc
+    return torch.from_numpy(out).to(torch.bfloat16)
+
+
+def test_w4a8_reference_is_its_definition_and_close_to_the_dequantized_product() -> None:
+    """The torch reference (what the kernel is tested against) against an independent numpy
+    transcription of the definition, bit for bit: catches torch's ``127.0 / t`` (a reciprocal
+    and a multiply, not a division), a dot product that is not exact, and the group order. Then
+    against the bf16 path's dequantized weight in fp64: int8 activations stay within 2%."""
+    from tiers.quant import w4a8_reference
+
+    torch.manual_seed(0)
+    for n, k, group, m in [(64, 128, 32, 3), (96, 256, 64, 5), (32, 256, 128, 2)]:
+        q = torch.randint(0, 16, (n, k))
+        sz = torch.stack([torch.rand(k // group, n) * 0.02, torch.randn(k // group, n) * 0.01], -1).to(
+            torch.bfloat16
+        )
+        x = (torch.randn(m, k) * 3).to(torch.bfloat16)
+        x[0, :group] = 0
+        ref = w4a8_reference(x, q, group, sz)
+        assert torch.equal(ref.view(torch.int16), _w4a8_numpy(x, q, group, sz).view(torch.int16))
+        scale, zero = (sz[..., i].double().T[..., None] for i in (0, 1))
+        w = (q.double().reshape(n, -1, group) - 8) * scale + zero
+        dense = x.double() @ w.reshape(n, k).T
+        assert rel_err(ref, dense) < 0.02
+
+
+def test_int8_activations_quantize_every_int4_linear_and_stay_close(linear: nn.Linear) -> None:
+    """``quantize_model(..., int8_activations=True)`` reaches every int4 layer (the head too with
+    ``int4_head``), and the layer stays close to its bf16-activation twin."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    quantize_model(model, "int4", group_size=32, int4_head=True, int8_activations=True)
+    int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
+    assert len(int4) == 2 * 7 + 1 and all(m.int8_activations for m in int4)
+    a8 = Int4WeightOnlyLinear(linear, 32, int8_activations=True)
+    bf16 = Int4WeightOnlyLinear(linear, 32)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert rel_err(a8(x), bf16(x)) < 0.02
+        assert not torch.equal(a8(x), bf16(x))  # the numbers are W4A8's, not bf16's

@@ -42,6 +42,11 @@
 namespace {
 
 using tiered_router::bf16_to_float;
+#if defined(__AVX512F__)
+using tiered_router::float_to_bf16x16;
+#else
+using tiered_router::float_to_bf16x8;
+#endif
 
 constexpr int kTaskN = 32;  // output channels per task: the width of one dequantized tile
 
@@ -49,17 +54,6 @@ constexpr int kTaskN = 32;  // output channels per task: the width of one dequan
 
 constexpr int kBlockN = 64;   // output channels per packed block
 constexpr int kMaxRows = 12;  // rows per register tile: 24 accumulators + 2 weight vectors + 1
-
-// Round-to-nearest-even fp32 -> bf16 of 16 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
-inline __m256i float_to_bf16x16(__m512 v) {
-  const __m512i x = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
-  __m512i t = _mm512_srli_epi32(_mm512_add_epi32(x, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  t = _mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0xffff));
-  return _mm512_cvtepi32_epi16(t);
-}
 
 // acc[R rows][32 channels] += A[R rows][k0..k0+G) x tile[G][32], k in order.
 template <int R>
@@ -132,17 +126,6 @@ inline void store_task(const float* acc, int64_t t, uint16_t* out) {
 
 constexpr int kBlockN = 32;  // output channels per packed block: one task
 constexpr int kMaxRows = 3;  // rows per register tile: 12 accumulators, weights read from L1
-
-// Round-to-nearest-even fp32 -> bf16 of 8 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
-inline __m128i float_to_bf16x8(__m256 v) {
-  const __m256i x = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
-  __m256i t = _mm256_srli_epi32(_mm256_add_epi32(x, bias), 16);
-  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
-  t = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), t, ordered);
-  return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-}
 
 // acc[R rows][32 channels] += A[R rows][k0..k0+G) x tile[G][32], k in order.
 template <int R>

@@ -66,6 +66,16 @@ def test_base_is_valid_and_typed() -> None:
         (("score_below: 0.6", "score_below: 1.5"), "routing.rules[1].when.score_below", "[0, 1]"),
         (("{name: m,", "{name: s,"), "routing.rules[1].name", "duplicate"),
         (("version: 1", "version: 9"), "version", "unsupported"),
+        (
+            ("quantization: int8, draft", "quantization: int8, activation_quantization: int8, draft"),
+            "tiers.medium.activation_quantization",
+            "needs quantization: int4, got int8",
+        ),
+        (
+            ("quantization: int4}", "quantization: int4, activation_quantization: fp8}"),
+            "tiers.small.activation_quantization",
+            "must be one of",
+        ),
         (("  small: {model", "  auto: {model"), "tiers.auto", "reserved"),
     ],
 )

@@ -1,0 +1,371 @@
+// int4 weights x int8 activations (W4A8) GEMM for the CPU: integer dot products per weight group.
+//
+// Why: the bf16-activation int4 kernels (int4_mm.cpp and torch's) dequantize every weight to fp32
+// and then need one fp32 multiply-add per weight per row; at 16 decode rows that is the whole step
+// (~85% of it at ~85% of the FMA peak on the Zen 4 VM). Quantizing each row's activations to int8
+// per weight group (llama.cpp's Q8 activations) makes the inner product an exact integer one: with
+// VNNI one `vpdpbusd` is 64 multiply-adds against 16 for an fp32 FMA; without VNNI, `vpmaddubsw` +
+// `vpmaddwd` give the same integers. The numbers are the W4A8 ones, not the bf16 ones: a tier opts
+// in (`activations: int8` in the policy).
+//
+// Arithmetic (tiers/quant.py `w4a8_reference` is the same in torch ops, bit for bit):
+//   per row m and group g of G inputs, x = (float)A[m, gG .. gG+G) (A is bf16):
+//     amax = max |x|;  inv = amax > 0 ? 127 / amax : 0 (IEEE division);  sa = amax / 127
+//     xq_i = round-half-even(x_i * inv)  (in [-127, 127]);  saS = sa * (float)(sum xq_i)
+//   per output channel n, with q in [0, 15], scale s and zero z (bf16) of (g, n), the weight being
+//   (q - 8) s + z = q s + z8 with z8 = z - 8 s:
+//     D = sum q_i xq_i  (an exact integer)
+//     acc += (float)D * (s * sa) + z8 * saS   every op rounded to fp32 on its own (no FMA), g in order
+//   C[m, n] = bf16(acc) (round to nearest even).
+// Each output depends only on its own row and channel, never on the row count or the thread
+// split, so a request's numbers do not change with the batch it runs in.
+//
+// Weight layout (`pack_w4a8` in tiers/quant.py): for each block of 32 output channels and each
+// 4 consecutive inputs ("k-quad") j, 64 bytes; byte 4c + i holds q[32b + c][4j + i] in its low
+// nibble and q[32b + 16 + c][4j + i] in its high nibble. One 64-byte load is two registers of
+// 16 channels x 4 inputs, the unit `vpdpbusd` multiplies and sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "bf16.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kBlockN = 32;   // output channels per packed block (one task)
+constexpr int kQuadBytes = 64;  // bytes per (block, k-quad)
+
+// Quantize rows [m0, m1) of A (bf16 [M, K]) per group of G: xq int8 [M, K], sa and saS [M, K / G].
+void quantize_rows(const uint16_t* a, int64_t K, int G, int64_t m0, int64_t m1, int8_t* xq, float* sa,
+                   float* saS) {
+  const int64_t groups = K / G;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* src = a + m * K + g * G;
+      int8_t* dst = xq + m * K + g * G;
+#if defined(__AVX512F__)
+      __m512 vmax = _mm512_setzero_ps();
+      for (int i = 0; i < G; i += 16) {
+        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+#else
+      __m256 vmax = _mm256_setzero_ps();
+      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      for (int i = 0; i < G; i += 8) {
+        const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16));
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(x, absmask));
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, vmax);
+      float amax = 0.0f;
+      for (float v : lanes) amax = std::max(amax, v);
+#endif
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float scale = amax / 127.0f;
+      sa[m * groups + g] = scale;
+      int32_t sum = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      __m512i vsum = _mm512_setzero_si512();
+      for (int i = 0; i < G; i += 16) {
+        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
+        // cvtps rounds by MXCSR: to nearest even, as torch.round.
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(x, vinv));
+        vsum = _mm512_add_epi32(vsum, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(q));
+      }
+      sum = _mm512_reduce_add_epi32(vsum);
+#else
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int i = 0; i < G; i += 8) {
+        const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16));
+        int32_t q[8];
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_cvtps_epi32(_mm256_mul_ps(x, vinv)));
+        for (int j = 0; j < 8; ++j) {
+          dst[i + j] = static_cast<int8_t>(q[j]);
+          sum += q[j];
+        }
+      }
+#endif
+      saS[m * groups + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+struct Problem {
+  const int8_t* xq;     // [M, K]
+  const float* sa;      // [M, groups]
+  const float* saS;     // [M, groups]
+  const uint8_t* w;     // [N / 32, K / 4, 64]
+  const uint16_t* sz;   // bf16 [groups, N, 2]: (scale, zero)
+  uint16_t* out;        // bf16 [M, N]
+  int64_t K, N;
+  int G;
+};
+
+// acc[r][c] += D * (s * sa) + z8 * saS for one group of R rows x kBlockN channels, D given as
+// int32 dots (channel c in lane c % L of register c / L).
+#if defined(__AVX512F__)
+
+constexpr int kMaxRows = 8;  // 16 int32 accumulators + 2 weight registers + broadcast
+
+inline void group_epilogue(const Problem& p, int64_t b, int g, int64_t m0, int R, const __m512i (*dot)[2],
+                           float (*acc)[kBlockN]) {
+  const int64_t groups = p.K / p.G;
+  const uint16_t* row = p.sz + (static_cast<int64_t>(g) * p.N + b * kBlockN) * 2;
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 s[2], z8[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i pair = _mm512_loadu_si512(row + 32 * h);  // 16 (scale, zero) pairs
+    s[h] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, top));
+    z8[h] = _mm512_sub_ps(z, _mm512_mul_ps(s[h], _mm512_set1_ps(8.0f)));  // 8 s is exact
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const __m512 vsa = _mm512_set1_ps(p.sa[m * groups + g]);
+    const __m512 vsaS = _mm512_set1_ps(p.saS[m * groups + g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 D = _mm512_cvtepi32_ps(dot[r][h]);
+      const __m512 c = _mm512_add_ps(_mm512_mul_ps(D, _mm512_mul_ps(s[h], vsa)), _mm512_mul_ps(z8[h], vsaS));
+      float* a = acc[r] + 16 * h;
+      _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), c));
+    }
+  }
+}
+
+// One group of R rows x 32 channels; DOT(acc, w, x) adds the u8 x s8 products of each 4-byte
+// lane. A macro rather than a template parameter: the VNNI instance needs the avx512vnni target
+// on the function itself, and the other must not have it (hosts without VNNI would fault).
+#define W4A8_ROWS_GROUP(DOT)                                                              \
+  __m512i dot[R][2];                                                                       \
+  for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();              \
+  const __m512i low4 = _mm512_set1_epi8(0x0F);                                             \
+  [[maybe_unused]] const __m512i ones16 = _mm512_set1_epi16(1);                            \
+  const int quads = p.G / 4;                                                               \
+  const int64_t j0 = static_cast<int64_t>(g) * quads;                                      \
+  const uint8_t* wq = p.w + (b * (p.K / 4) + j0) * kQuadBytes;                             \
+  const int8_t* x = p.xq + m0 * p.K + j0 * 4;                                              \
+  for (int j = 0; j < quads; ++j) {                                                        \
+    const __m512i w = _mm512_loadu_si512(wq + j * kQuadBytes);                             \
+    const __m512i lo = _mm512_and_si512(w, low4);                                          \
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {                                  \
+      int32_t quad;                                                                        \
+      std::memcpy(&quad, x + r * p.K + 4 * j, 4);                                          \
+      const __m512i xb = _mm512_set1_epi32(quad);                                          \
+      dot[r][0] = DOT(dot[r][0], lo, xb);                                                  \
+      dot[r][1] = DOT(dot[r][1], hi, xb);                                                  \
+    }                                                                                      \
+  }                                                                                        \
+  group_epilogue(p, b, g, m0, R, dot, acc);
+
+// u8 x s8 pairs to s16 (|sum| <= 2 * 15 * 127: no saturation), then pairs to s32: the same
+// integers as vpdpbusd.
+#define W4A8_DOT_BW(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones16))
+
+template <int R>
+__attribute__((target("avx512vnni"))) void rows_group_vnni(const Problem& p, int64_t b, int g, int64_t m0,
+                                                            float (*acc)[kBlockN]) {
+  W4A8_ROWS_GROUP(_mm512_dpbusd_epi32)
+}
+
+template <int R>
+void rows_group_bw(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[kBlockN]) {
+  W4A8_ROWS_GROUP(W4A8_DOT_BW)
+}
+
+inline void store_rows(const Problem& p, int64_t b, int64_t m0, int R, const float (*acc)[kBlockN]) {
+  for (int r = 0; r < R; ++r) {
+    uint16_t* dst = p.out + (m0 + r) * p.N + b * kBlockN;
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h),
+                          tiered_router::float_to_bf16x16(_mm512_loadu_ps(acc[r] + 16 * h)));
+  }
+}
+
+bool use_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kMaxRows = 2;  // 8 int32 accumulators + 4 unpacked weight registers + constants
+
+// Register v of a row holds channels 8v..8v+7: v = 0, 1 from the low nibbles of the two 32-byte
+// halves of a k-quad, v = 2, 3 from their high nibbles.
+inline void group_epilogue(const Problem& p, int64_t b, int g, int64_t m0, int R, const __m256i (*dot)[4],
+                           float (*acc)[kBlockN]) {
+  const int64_t groups = p.K / p.G;
+  const uint16_t* row = p.sz + (static_cast<int64_t>(g) * p.N + b * kBlockN) * 2;
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 s[4], z8[4];
+  for (int v = 0; v < 4; ++v) {
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
+    s[v] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pair, top));
+    z8[v] = _mm256_sub_ps(z, _mm256_mul_ps(s[v], _mm256_set1_ps(8.0f)));  // 8 s is exact
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const __m256 vsa = _mm256_set1_ps(p.sa[m * groups + g]);
+    const __m256 vsaS = _mm256_set1_ps(p.saS[m * groups + g]);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 D = _mm256_cvtepi32_ps(dot[r][v]);
+      const __m256 c = _mm256_add_ps(_mm256_mul_ps(D, _mm256_mul_ps(s[v], vsa)), _mm256_mul_ps(z8[v], vsaS));
+      float* a = acc[r] + 8 * v;
+      _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), c));
+    }
+  }
+}
+
+template <int R>
+void rows_group_avx2(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[kBlockN]) {
+  __m256i dot[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) dot[r][v] = _mm256_setzero_si256();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const int quads = p.G / 4;
+  const int64_t j0 = static_cast<int64_t>(g) * quads;
+  const uint8_t* wq = p.w + (b * (p.K / 4) + j0) * kQuadBytes;
+  const int8_t* x = p.xq + m0 * p.K + j0 * 4;
+  for (int j = 0; j < quads; ++j) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * kQuadBytes));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * kQuadBytes + 32));
+    const __m256i wv[4] = {_mm256_and_si256(w0, low4), _mm256_and_si256(w1, low4),
+                           _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4)};
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, x + r * p.K + 4 * j, 4);
+      const __m256i xb = _mm256_set1_epi32(quad);
+      for (int v = 0; v < 4; ++v)
+        dot[r][v] = _mm256_add_epi32(dot[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], xb), ones16));
+    }
+  }
+  group_epilogue(p, b, g, m0, R, dot, acc);
+}
+
+inline void store_rows(const Problem& p, int64_t b, int64_t m0, int R, const float (*acc)[kBlockN]) {
+  for (int r = 0; r < R; ++r) {
+    uint16_t* dst = p.out + (m0 + r) * p.N + b * kBlockN;
+    // Registers 0..3 hold channels 0-7, 8-15, 16-23, 24-31 in order.
+    for (int v = 0; v < 4; ++v)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * v),
+                       tiered_router::float_to_bf16x8(_mm256_loadu_ps(acc[r] + 8 * v)));
+  }
+}
+
+#else
+#error "w4a8_mm.cpp needs AVX512F or AVX2+FMA (tiers/cpu_kernels.py picks the flags)"
+#endif
+
+using GroupFn = void (*)(const Problem&, int64_t, int, int64_t, float (*)[kBlockN]);
+
+template <template <int> class F, int... Rs>
+constexpr auto make_group_fns(std::integer_sequence<int, Rs...>) {
+  return std::array<GroupFn, sizeof...(Rs)>{&F<Rs + 1>::call...};
+}
+
+#if defined(__AVX512F__)
+template <int R>
+struct Vnni {
+  static void call(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[kBlockN]) {
+    rows_group_vnni<R>(p, b, g, m0, acc);
+  }
+};
+template <int R>
+struct Bw {
+  static void call(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[kBlockN]) {
+    rows_group_bw<R>(p, b, g, m0, acc);
+  }
+};
+const auto kVnniFns = make_group_fns<Vnni>(std::make_integer_sequence<int, kMaxRows>{});
+const auto kBwFns = make_group_fns<Bw>(std::make_integer_sequence<int, kMaxRows>{});
+const auto& group_fns() { return use_vnni() ? kVnniFns : kBwFns; }
+#else
+template <int R>
+struct Avx2 {
+  static void call(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[kBlockN]) {
+    rows_group_avx2<R>(p, b, g, m0, acc);
+  }
+};
+const auto kAvx2Fns = make_group_fns<Avx2>(std::make_integer_sequence<int, kMaxRows>{});
+const auto& group_fns() { return kAvx2Fns; }
+#endif
+
+at::Tensor w4a8_mm(const at::Tensor& A, const at::Tensor& W, int64_t group_size, const at::Tensor& SZ) {
+  TORCH_CHECK(A.dim() == 2 && A.scalar_type() == at::kBFloat16, "w4a8_mm: A must be 2-D bf16");
+  TORCH_CHECK(W.dim() == 3 && W.scalar_type() == at::kByte && W.size(2) == kQuadBytes,
+              "w4a8_mm: W must be uint8 [N / 32, K / 4, 64]");
+  TORCH_CHECK(SZ.dim() == 3 && SZ.scalar_type() == at::kBFloat16, "w4a8_mm: scales_and_zeros must be bf16 [K/G, N, 2]");
+  const int64_t M = A.size(0), K = A.size(1), N = W.size(0) * kBlockN;
+  const int G = static_cast<int>(group_size);
+  TORCH_CHECK(W.size(1) * 4 == K, "w4a8_mm: W holds ", W.size(1) * 4, " inputs, A has ", K);
+  TORCH_CHECK(G > 0 && G % 16 == 0 && K % G == 0, "w4a8_mm: group_size ", G, " must divide K=", K,
+              " and be a multiple of 16");
+  TORCH_CHECK(SZ.size(0) == K / G && SZ.size(1) == N && SZ.size(2) == 2, "w4a8_mm: scales_and_zeros shape");
+  const at::Tensor a = A.contiguous();
+  const at::Tensor w = W.contiguous();
+  const at::Tensor sz = SZ.contiguous();
+  at::Tensor C = at::empty({M, N}, A.options());
+  if (M == 0) return C;
+
+  const int64_t groups = K / G;
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> sa(static_cast<size_t>(M * groups));
+  std::vector<float> saS(static_cast<size_t>(M * groups));
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  // Rows are independent; below ~64 rows one thread quantizes faster than waking another.
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    quantize_rows(ap, K, G, m0, m1, xq.data(), sa.data(), saS.data());
+  });
+
+  const Problem p{xq.data(),
+                  sa.data(),
+                  saS.data(),
+                  w.data_ptr<uint8_t>(),
+                  reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<uint16_t*>(C.data_ptr<at::BFloat16>()),
+                  K,
+                  N,
+                  G};
+  const auto& fns = group_fns();
+  at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows][kBlockN];
+    for (int64_t b = begin; b < end; ++b) {
+      // Row tiles inside the block: its weights (16 K bytes) stay in L1 across them.
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+        std::memset(acc, 0, sizeof(acc));
+        for (int g = 0; g < groups; ++g) fns[R - 1](p, b, g, m0, acc);
+        store_rows(p, b, m0, R, acc);
+      }
+    }
+  });
+  return C;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tiered_router, m) {
+  m.def("w4a8_mm(Tensor a, Tensor w, int group_size, Tensor scales_and_zeros) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tiered_router, CPU, m) {
+  m.impl("w4a8_mm", &w4a8_mm);
+}
