@@ -424,13 +424,17 @@ def w4a8_case(n: int, k: int, group: int, m: int, seed: int = 0) -> tuple[torch.
     ("n", "k", "group"),
     [(960, 576, 64), (576, 576, 32), (3072, 576, 64), (576, 1536, 32), (128, 256, 128), (49152, 576, 64)],
 )
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni-if-any", "maddubs"])
 def test_w4a8_kernel_is_bitwise_the_torch_reference_at_every_row_count(
-    w4a8: Any, threads: int, n: int, k: int, group: int
+    w4a8: Any, threads: int, n: int, k: int, group: int, vnni: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Catches a wrong nibble-to-channel map, scales paired with the wrong channels or groups, an
     activation rounding other than half-to-even, an FMA where the definition has a multiply and an
     add, and lost rows at the register-tile tails (8 rows a tile on AVX512, 2 on AVX2). Equality
-    at every row count is also the batch invariance: a row's output never depends on the others."""
+    at every row count is also the batch invariance: a row's output never depends on the others.
+    Both integer paths of an AVX512 build: VNNI where the CPU has it, and vpmaddubsw + vpmaddwd."""
+    if not vnni:
+        monkeypatch.setenv("TIERED_ROUTER_NO_VNNI", "1")
     for m in (1, 2, 7, 8, 9, 16, 17, 33) if n < 10000 else (1, 16):
         x, q, sz = w4a8_case(n, k, group, m)
         ref = quant.w4a8_reference(x, q, group, sz)

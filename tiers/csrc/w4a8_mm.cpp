@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -199,7 +200,12 @@ inline void store_rows(const Problem& p, int64_t b, int64_t m0, int R, const flo
   }
 }
 
-bool use_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+// TIERED_ROUTER_NO_VNNI=1 takes the maddubs path on a VNNI host too, so the tests cover both
+// (read at each call: the tests set it after the library is loaded).
+bool use_vnni() {
+  const char* off = std::getenv("TIERED_ROUTER_NO_VNNI");
+  return __builtin_cpu_supports("avx512vnni") && !(off != nullptr && off[0] == '1');
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
