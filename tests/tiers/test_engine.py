@@ -542,16 +542,21 @@ async def test_a_steps_outputs_reach_the_event_loop_in_one_call(
     original = loop.call_soon_threadsafe
 
     def counting(callback: Any, *args: Any, **kw: Any) -> Any:
-        # Only the engine's hand-offs: the loop's executor and futures call it too.
-        if getattr(callback, "__qualname__", "").startswith("RequestHandle._push"):
-            calls[0] += 1
+        # Only this engine's hand-offs: the loop's executor and futures call it too, and so may an
+        # engine of an earlier test finishing a request its consumer dropped.
+        name = getattr(callback, "__qualname__", "")
+        if name == "RequestHandle._push_many":
+            calls[0] += args[0][0][0].engine is engine
+        elif name == "RequestHandle._push":
+            calls[0] += callback.__self__.engine is engine
         return original(callback, *args, **kw)
 
     monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
     steps_before = engine.num_steps
     outs = await asyncio.gather(*(collect(engine, p, greedy(16)) for p in prompts(8, seed=5)))
     steps, pushed = engine.num_steps - steps_before, calls[0]
-    assert steps >= 16 and pushed <= steps  # at most one a step
+    # At most one a step; the last step's count may land after its outputs were handed over.
+    assert steps >= 16 and pushed <= steps + 1
     assert all(len(o[0]) == 16 and o[2] == "length" for o in outs)
     alone = [await collect(engine, p, greedy(16)) for p in prompts(8, seed=5)]
     assert [o[0] for o in outs] == [a[0] for a in alone]
