@@ -246,6 +246,14 @@ def load_model(
     hf_model.eval()
     hf_model.requires_grad_(False)
     hf_model.to(dev)  # type: ignore[arg-type]
+    if int8_activations and dev.type != "cpu":
+        # Correct on any device (the torch reference, bitwise the CPU kernel), but a per-group
+        # loop of small ops per projection: slower than the bf16 kernels it was meant to beat.
+        log.warning(
+            "%s: activation_quantization int8 has a CPU kernel only; on %s it runs the torch reference",
+            model,
+            dev,
+        )
     if quantization != "none":
         quantize_model(
             hf_model,
