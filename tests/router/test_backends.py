@@ -90,3 +90,41 @@ routing:
     finally:
         for engine in tiers.engines():
             worker.remove_engine(engine)
+
+
+async def test_int8_activations_are_their_own_model_and_answer(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """Two int4 tiers on one model, one with int8 activations: each gets its own loaded model (the
+    same weights quantized once per numerics - sharing one would serve one tier the other's), and
+    the W4A8 tier answers through its engine."""
+    from tiers.quant import Int4WeightOnlyLinear
+    from tiers.sequence import SamplingParams
+
+    policy = parse_policy(f"""
+version: 1
+tiers:
+  small: {{model: {tiny_model_dir}, quantization: int4, activation_quantization: int8, max_num_seqs: 2}}
+  medium: {{model: {tiny_model_dir}, quantization: int4, max_num_seqs: 2}}
+routing:
+  rules: [{{name: d, tier: small}}]
+""")
+    tiers = build_tiers(policy, worker)
+    try:
+        small, medium = tiers.get("small"), tiers.get("medium")
+        assert isinstance(small, LocalTier) and isinstance(medium, LocalTier)
+        assert small.engine.runner.model is not medium.engine.runner.model
+
+        def int4(tier: LocalTier) -> list[Int4WeightOnlyLinear]:
+            return [m for m in tier.engine.runner.model.modules() if isinstance(m, Int4WeightOnlyLinear)]
+
+        assert int4(small) and all(m.int8_activations for m in int4(small))
+        assert int4(medium) and not any(m.int8_activations for m in int4(medium))
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        tokens = [
+            t for out in [o async for o in small.engine.submit([5, 6, 7], params)] for t in out.token_ids
+        ]
+        assert len(tokens) == 6
+    finally:
+        for engine in tiers.engines():
+            worker.remove_engine(engine)
