@@ -56,6 +56,10 @@ inline __m256i float_to_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(t);
 }
 
+inline void store_bf16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), float_to_bf16x16(v));
+}
+
 #elif defined(__AVX2__)
 
 // Round-to-nearest-even fp32 -> bf16 of 8 lanes, NaN -> 0xffff (torch's cvtfp32_bf16).
@@ -67,6 +71,10 @@ inline __m128i float_to_bf16x8(__m256 v) {
   const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
   t = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), t, ordered);
   return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+inline void store_bf16(uint16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), float_to_bf16x8(v));
 }
 
 #endif

@@ -1,4 +1,4 @@
-// The few fp32 vector operations the paged attention kernel needs, for the instruction set the
+// The few vector operations the paged attention and W4A8 kernels need, for the instruction set the
 // build targets (tiers/cpu_kernels.py picks -mavx512* or -mavx2 -mfma by what torch dispatches on
 // the host): 16 lanes on AVX512, 8 on AVX2. Same arithmetic on both apart from the lane count,
 // which changes only the order of the fp32 sums inside a dot product.
@@ -40,6 +40,14 @@ inline void store_first(float* p, vf v, int64_t n) {
 }
 // p * 2^n for integral n in [-126, 0] (scalef also flushes below that to 0).
 inline vf scale_by_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+using vi = __m512i;
+inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+// kLanes (scale, zero) bf16 pairs, one per 32-bit lane, as fp32 scales and zeros (exact).
+inline void load_pairs(const uint16_t* p, vf& scale, vf& zero) {
+  const __m512i pair = _mm512_loadu_si512(p);
+  scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+  zero = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -76,6 +84,13 @@ inline void store_first(float* p, vf v, int64_t n) { _mm256_maskstore_ps(p, firs
 inline vf scale_by_pow2(vf p, vf n) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+using vi = __m256i;
+inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+inline void load_pairs(const uint16_t* p, vf& scale, vf& zero) {
+  const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+  zero = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 #else

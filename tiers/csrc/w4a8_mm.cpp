@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <array>
@@ -41,6 +42,8 @@
 #include <vector>
 
 namespace {
+
+namespace simd = tiered_router::simd;
 
 constexpr int kBlockN = 32;   // output channels per packed block (one task)
 constexpr int kQuadBytes = 64;  // bytes per (block, k-quad)
@@ -119,36 +122,44 @@ struct Problem {
   int G;
 };
 
+constexpr int kRegs = kBlockN / simd::kLanes;  // registers per row: channel c in lane c % L of register c / L
+
 // acc[r][c] += D * (s * sa) + z8 * saS for one group of R rows x kBlockN channels, D given as
-// int32 dots (channel c in lane c % L of register c / L).
-#if defined(__AVX512F__)
-
-constexpr int kMaxRows = 8;  // 16 int32 accumulators + 2 weight registers + broadcast
-
-inline void group_epilogue(const Problem& p, int64_t b, int g, int64_t m0, int R, const __m512i (*dot)[2],
+// int32 dots in that register layout.
+inline void group_epilogue(const Problem& p, int64_t b, int g, int64_t m0, int R, const simd::vi (*dot)[kRegs],
                            float (*acc)[kBlockN]) {
   const int64_t groups = p.K / p.G;
   const uint16_t* row = p.sz + (static_cast<int64_t>(g) * p.N + b * kBlockN) * 2;
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 s[2], z8[2];
-  for (int h = 0; h < 2; ++h) {
-    const __m512i pair = _mm512_loadu_si512(row + 32 * h);  // 16 (scale, zero) pairs
-    s[h] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, top));
-    z8[h] = _mm512_sub_ps(z, _mm512_mul_ps(s[h], _mm512_set1_ps(8.0f)));  // 8 s is exact
+  simd::vf s[kRegs], z8[kRegs];
+  for (int v = 0; v < kRegs; ++v) {
+    simd::vf z;
+    simd::load_pairs(row + 2 * simd::kLanes * v, s[v], z);
+    z8[v] = simd::sub(z, simd::mul(s[v], simd::set1(8.0f)));  // 8 s is exact
   }
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
-    const __m512 vsa = _mm512_set1_ps(p.sa[m * groups + g]);
-    const __m512 vsaS = _mm512_set1_ps(p.saS[m * groups + g]);
-    for (int h = 0; h < 2; ++h) {
-      const __m512 D = _mm512_cvtepi32_ps(dot[r][h]);
-      const __m512 c = _mm512_add_ps(_mm512_mul_ps(D, _mm512_mul_ps(s[h], vsa)), _mm512_mul_ps(z8[h], vsaS));
-      float* a = acc[r] + 16 * h;
-      _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), c));
+    const simd::vf vsa = simd::set1(p.sa[m * groups + g]);
+    const simd::vf vsaS = simd::set1(p.saS[m * groups + g]);
+    for (int v = 0; v < kRegs; ++v) {
+      const simd::vf D = simd::to_float(dot[r][v]);
+      const simd::vf c = simd::add(simd::mul(D, simd::mul(s[v], vsa)), simd::mul(z8[v], vsaS));
+      float* a = acc[r] + simd::kLanes * v;
+      simd::store(a, simd::add(simd::load(a), c));
     }
   }
 }
+
+inline void store_rows(const Problem& p, int64_t b, int64_t m0, int R, const float (*acc)[kBlockN]) {
+  for (int r = 0; r < R; ++r) {
+    uint16_t* dst = p.out + (m0 + r) * p.N + b * kBlockN;
+    for (int v = 0; v < kRegs; ++v)
+      tiered_router::store_bf16(dst + simd::kLanes * v, simd::load(acc[r] + simd::kLanes * v));
+  }
+}
+
+#if defined(__AVX512F__)
+
+constexpr int kMaxRows = 8;  // 16 int32 accumulators + 2 weight registers + broadcast
 
 // One group of R rows x 32 channels; DOT(acc, w, x) adds the u8 x s8 products of each 4-byte
 // lane. A macro rather than a template parameter: the VNNI instance needs the avx512vnni target
@@ -191,15 +202,6 @@ void rows_group_bw(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[
   W4A8_ROWS_GROUP(W4A8_DOT_BW)
 }
 
-inline void store_rows(const Problem& p, int64_t b, int64_t m0, int R, const float (*acc)[kBlockN]) {
-  for (int r = 0; r < R; ++r) {
-    uint16_t* dst = p.out + (m0 + r) * p.N + b * kBlockN;
-    for (int h = 0; h < 2; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h),
-                          tiered_router::float_to_bf16x16(_mm512_loadu_ps(acc[r] + 16 * h)));
-  }
-}
-
 // TIERED_ROUTER_NO_VNNI=1 takes the maddubs path on a VNNI host too, so the tests cover both
 // (read at each call: the tests set it after the library is loaded).
 bool use_vnni() {
@@ -213,31 +215,6 @@ constexpr int kMaxRows = 2;  // 8 int32 accumulators + 4 unpacked weight registe
 
 // Register v of a row holds channels 8v..8v+7: v = 0, 1 from the low nibbles of the two 32-byte
 // halves of a k-quad, v = 2, 3 from their high nibbles.
-inline void group_epilogue(const Problem& p, int64_t b, int g, int64_t m0, int R, const __m256i (*dot)[4],
-                           float (*acc)[kBlockN]) {
-  const int64_t groups = p.K / p.G;
-  const uint16_t* row = p.sz + (static_cast<int64_t>(g) * p.N + b * kBlockN) * 2;
-  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 s[4], z8[4];
-  for (int v = 0; v < 4; ++v) {
-    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
-    s[v] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pair, top));
-    z8[v] = _mm256_sub_ps(z, _mm256_mul_ps(s[v], _mm256_set1_ps(8.0f)));  // 8 s is exact
-  }
-  for (int r = 0; r < R; ++r) {
-    const int64_t m = m0 + r;
-    const __m256 vsa = _mm256_set1_ps(p.sa[m * groups + g]);
-    const __m256 vsaS = _mm256_set1_ps(p.saS[m * groups + g]);
-    for (int v = 0; v < 4; ++v) {
-      const __m256 D = _mm256_cvtepi32_ps(dot[r][v]);
-      const __m256 c = _mm256_add_ps(_mm256_mul_ps(D, _mm256_mul_ps(s[v], vsa)), _mm256_mul_ps(z8[v], vsaS));
-      float* a = acc[r] + 8 * v;
-      _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), c));
-    }
-  }
-}
-
 template <int R>
 void rows_group_avx2(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[kBlockN]) {
   __m256i dot[R][4];
@@ -264,16 +241,6 @@ void rows_group_avx2(const Problem& p, int64_t b, int g, int64_t m0, float (*acc
     }
   }
   group_epilogue(p, b, g, m0, R, dot, acc);
-}
-
-inline void store_rows(const Problem& p, int64_t b, int64_t m0, int R, const float (*acc)[kBlockN]) {
-  for (int r = 0; r < R; ++r) {
-    uint16_t* dst = p.out + (m0 + r) * p.N + b * kBlockN;
-    // Registers 0..3 hold channels 0-7, 8-15, 16-23, 24-31 in order.
-    for (int v = 0; v < 4; ++v)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * v),
-                       tiered_router::float_to_bf16x8(_mm256_loadu_ps(acc[r] + 8 * v)));
-  }
 }
 
 #else
