@@ -32,15 +32,10 @@ log = logging.getLogger(__name__)
 
 
 def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
-    """Everything that needs a new engine when it changes (routing-only edits reuse the engine)."""
+    """Everything that needs a new engine when it changes (routing-only edits reuse the engine):
+    the loaded model's key, then the engine's own settings."""
     return (
-        cfg.model,
-        cfg.dtype,
-        cfg.quantization,
-        cfg.quant_group_size,
-        cfg.quantize_head,
-        cfg.activation_quantization,
-        cfg.device,
+        *_model_key(cfg),
         cfg.max_num_seqs,
         cfg.max_queue,
         cfg.max_model_len,
@@ -160,6 +155,7 @@ class TierSet:
 
 
 def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
+    """What makes a loaded model: tiers with the same key share one."""
     return (
         cfg.model,
         cfg.dtype,
