@@ -120,19 +120,24 @@ def test_direct_call_of_a_onednn_packed_linear_is_the_modules_op(bias: bool) -> 
     assert direct_kernel(mkl, torch.float32) == mkl.forward
 
 
-def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
+def _tiny_llama(vocab: int, layers: int) -> Any:
+    """A random tied-embedding Llama: 64 wide, 4 heads over 2 KV heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=64,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
+
+
+def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
+    model = _tiny_llama(vocab=64, layers=1)
     emb = model.get_input_embeddings().weight.detach().clone()
     quantize_model(model, "int4")
     assert not any(type(m) is nn.Linear for m in model.modules())
@@ -242,19 +247,8 @@ def test_w4a8_reference_is_its_definition_and_close_to_the_dequantized_product()
 def test_int8_activations_quantize_every_int4_linear_and_stay_close(linear: nn.Linear) -> None:
     """``quantize_model(..., int8_activations=True)`` reaches every int4 layer (the head too with
     ``int4_head``), and the layer stays close to its bf16-activation twin."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = _tiny_llama(vocab=128, layers=2)
     quantize_model(model, "int4", group_size=32, int4_head=True, int8_activations=True)
     int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
     assert len(int4) == 2 * 7 + 1 and all(m.int8_activations for m in int4)
