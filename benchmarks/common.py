@@ -91,6 +91,27 @@ def rss_mb() -> float:
     return 0.0
 
 
+def interleaved_forward_ms(
+    runners: dict[str, Any], shapes: tuple[str, ...], rows: Any, repeats: int, calls: int = 5
+) -> dict[str, dict[str, float]]:
+    """Median ms per ``runner.forward(rows(name, shape))`` for every runner and shape, the runners
+    interleaved within each repetition (so drift on a shared machine hits all of them), each
+    timing a mean of ``calls`` forwards after one untimed."""
+    import statistics
+
+    times: dict[str, dict[str, list[float]]] = {n: {s: [] for s in shapes} for n in runners}
+    for _ in range(repeats):
+        for name, r in runners.items():
+            for shape in shapes:
+                batch = rows(name, shape)
+                r.forward(batch)
+                started = time.perf_counter()
+                for _ in range(calls):
+                    r.forward(batch)
+                times[name][shape].append((time.perf_counter() - started) / calls * 1000)
+    return {n: {s: round(statistics.median(v), 2) for s, v in t.items()} for n, t in times.items()}
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

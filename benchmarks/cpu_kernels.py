@@ -16,11 +16,9 @@ dispatches neither AVX512 nor AVX2, or ``make kernels`` was not run).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
-from benchmarks.common import plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, plot_path, write_json
 
 TIERS: dict[str, dict[str, Any]] = {
     "small (int4 g64, int4 head)": {"quantization": "int4", "group_size": 64, "int4_head": True},
@@ -70,16 +68,7 @@ def _measure_tier(kw: dict[str, Any], repeats: int) -> dict[str, Any]:
             return [RowInput(tables[name][0], CONTEXT, list(range(300, 320)), "last")]
         return [RowInput(tables[name][i], CONTEXT, [5], "last") for i in range(int(shape))]
 
-    times: dict[str, dict[str, list[float]]] = {n: {s: [] for s in SHAPES} for n in runners}
-    for _ in range(repeats):
-        for name, r in runners.items():  # interleaved, so drift on a shared machine hits both
-            for shape in SHAPES:
-                batch = rows(name, shape)
-                r.forward(batch)
-                started = time.perf_counter()
-                for _ in range(5):
-                    r.forward(batch)
-                times[name][shape].append((time.perf_counter() - started) / 5 * 1000)
+    med = interleaved_forward_ms(runners, SHAPES, rows, repeats)
     logits = {
         n: r.forward([RowInput(tables[n][i], CONTEXT, [7], "last") for i in range(16)])
         for n, r in runners.items()
@@ -88,7 +77,6 @@ def _measure_tier(kw: dict[str, Any], repeats: int) -> dict[str, Any]:
         torch.equal(a.argmax(-1), b.argmax(-1))
         for a, b in zip(logits["kernels"], logits["torch"], strict=True)
     )
-    med = {n: {s: round(statistics.median(v), 2) for s, v in t.items()} for n, t in times.items()}
     return {
         "step_ms": med,
         "speedup": {s: round(med["torch"][s] / med["kernels"][s], 2) for s in SHAPES},

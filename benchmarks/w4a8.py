@@ -19,12 +19,10 @@ import argparse
 import hashlib
 import math
 import random
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, plot_path, write_json
 
 SHAPES = ("1", "4", "16", "prefill 128")
 VARIANTS = {"bf16 activations": False, "int8 activations (W4A8)": True}
@@ -68,17 +66,7 @@ def _speed(repeats: int) -> dict[str, dict[str, float]]:
             return [RowInput(prefill[name], 0, list(range(200, 328)), "last")]
         return [RowInput(tables[name][i], ctx[i], [5], "last") for i in range(int(shape))]
 
-    times: dict[str, dict[str, list[float]]] = {n: {s: [] for s in SHAPES} for n in runners}
-    for _ in range(repeats):
-        for name, r in runners.items():  # interleaved, so drift on a shared machine hits both
-            for shape in SHAPES:
-                batch = rows(name, shape)
-                r.forward(batch)
-                started = time.perf_counter()
-                for _ in range(5):
-                    r.forward(batch)
-                times[name][shape].append((time.perf_counter() - started) / 5 * 1000)
-    return {n: {s: round(statistics.median(v), 2) for s, v in t.items()} for n, t in times.items()}
+    return interleaved_forward_ms(runners, SHAPES, rows, repeats)
 
 
 def _quality() -> dict[str, Any]:
