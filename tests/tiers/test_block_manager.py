@@ -236,3 +236,56 @@ def test_without_a_copy_function_nothing_is_remembered() -> None:
     bm = BlockManager(8, 4)
     finished(bm, [1, 2, 3])
     assert bm.match_partial([1, 2, 3, 4], []) is None
+
+
+# -- the pool's accounting under pressure ----------------------------------------------------------
+
+
+def assert_pool_partitioned(bm: BlockManager, *tables: BlockTable) -> None:
+    """Free and referenced blocks partition the pool, and refcounts are the tables holding a block."""
+    free = list(bm._free)
+    held = [0] * bm.num_blocks
+    for t in tables:
+        assert len(set(t.blocks)) == len(t.blocks), "a table holds a block twice"
+        for b in t.blocks:
+            held[b] += 1
+    assert bm.ref_counts == held
+    assert sorted(free) == [b for b in range(bm.num_blocks) if held[b] == 0], "free and referenced overlap"
+
+
+def test_reviving_cached_blocks_counts_against_the_free_list() -> None:
+    """Catches ``can_allocate`` forgetting the cached free blocks a prefix hit revives: the pool
+    said yes, and ``allocate`` then popped from an empty free list (a crash under memory pressure)."""
+    bm = BlockManager(3, 2)
+    bm.free(filled(bm, [1, 2, 3, 4]))  # two named blocks, now free (cached)
+    other = BlockTable()
+    assert bm.allocate(other, 2)  # takes the unnamed free block: two cached ones left
+    prefix = bm.match_prefix([1, 2, 3, 4, 5, 6], max_tokens=5)
+    assert len(prefix) == 2
+    t = BlockTable()
+    # The prefix revives both free blocks and one more is needed for token 5: none is left.
+    assert not bm.can_allocate(t, 6, prefix)
+    assert not bm.allocate(t, 6, prefix)
+    assert t.blocks == [] and bm.num_free_blocks == 2
+    assert_pool_partitioned(bm, other)
+    assert bm.allocate(t, 4, prefix)  # the two revived blocks alone fit
+    assert t.blocks == prefix and bm.num_free_blocks == 0
+    assert_pool_partitioned(bm, other, t)
+
+
+def test_a_revived_block_leaves_the_free_list_and_is_never_handed_out_twice() -> None:
+    """Catches ``_take`` leaving a revived cached block on the free list: the next fresh allocation
+    handed the same block to a second sequence, and two live requests wrote one KV block (one
+    tenant's KV served to another)."""
+    bm = BlockManager(2, 2)
+    bm.free(filled(bm, [1, 2]))  # block named [1, 2], free
+    prefix = bm.match_prefix([1, 2, 3], max_tokens=2)
+    assert len(prefix) == 1
+    a = BlockTable()
+    assert bm.allocate(a, 3, prefix)  # revives the named block and takes the last free one
+    assert bm.num_free_blocks == 0
+    assert_pool_partitioned(bm, a)
+    b = BlockTable("tenant-b")
+    assert not bm.allocate(b, 2)  # the pool is full: nothing may be handed out again
+    assert set(a.blocks).isdisjoint(b.blocks)
+    assert_pool_partitioned(bm, a, b)
