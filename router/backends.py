@@ -18,6 +18,7 @@ from router.errors import BadRequestError, PolicyError, PolicyIssue
 from router.policy.schema import NGRAM
 from tiers.engine import Engine, EngineObserver
 from tiers.output import StepOutput
+from tiers.pacing import RoutingCost, routing_cost
 from tiers.remote import RemoteTier
 from tiers.sequence import SamplingParams
 
@@ -137,6 +138,36 @@ class TierSet:
 
     def load_map(self) -> dict[str, bool]:
         return {name: b.is_full() for name, b in self.tiers.items()}
+
+    def routing_costs(
+        self, waits: Mapping[str, float], output_tokens: Mapping[str, int], prompt_tokens: int
+    ) -> dict[str, RoutingCost]:
+        """Per local tier, what one more request costs on the shared device now
+        (``tiers.pacing.routing_cost``): ``waits`` are the predicted waits for its first token
+        (admission's), ``output_tokens`` its expected length on each tier. Tiers not yet measured,
+        and remote tiers (they run on their own devices), are left out."""
+        engines = self.worker.engines if self.worker is not None else self.engines()
+        rounds = {id(e): e.decode_round(0) if e.has_work() else (0.0, 1.0) for e in engines}
+        step_s = {key: r[0] if r is not None else 0.0 for key, r in rounds.items()}
+        rows = sum(e.scheduler.num_running for e in engines)
+        costs: dict[str, RoutingCost] = {}
+        for name, b in self.tiers.items():
+            if not isinstance(b, LocalTier) or name not in waits:
+                continue
+            engine = b.engine
+            joined = engine.decode_round(1)
+            if joined is None or rounds.get(id(engine), (0.0, 1.0)) is None:
+                continue
+            costs[name] = routing_cost(
+                wait_s=waits[name],
+                output_tokens=output_tokens.get(name, b.cfg.defaults.max_tokens),
+                joined=joined,
+                before_s=step_s.get(id(engine), 0.0),
+                others_s=sum(s for key, s in step_s.items() if key != id(engine)),
+                rows=rows,
+                prefill_s=prompt_tokens * engine.pace.token_cost,
+            )
+        return costs
 
     def counting_tokenizer(self) -> Any:
         """The tokenizer used to count prompt tokens for routing rules: the first local tier's."""

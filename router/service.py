@@ -8,6 +8,7 @@ layer (``router.app``) only parses, authenticates and turns results into respons
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -179,7 +180,20 @@ class RouterService:
                 **_request_signals(messages, prompt, request),
                 session=sessions.get(prior_key(messages, ctx.headers, ctx.tenant)) if sessions else None,
             )
-            decision = decide(policy, route_request, score, load)
+            costs = (
+                self.tiers.routing_costs(
+                    {name: p.wait_s for name, p in pressures.items()},
+                    _expected_output(policy, request),
+                    prompt_tokens,
+                )
+                if policy.routing.mode == "load_aware" and self.tiers is not None
+                else {}
+            )
+            decision = decide(policy, route_request, score, load, {t: c.total_s for t, c in costs.items()})
+            if costs:
+                span.set_attribute(
+                    "router.costs", json.dumps({t: round(c.total_s, 4) for t, c in costs.items()})
+                )
             span.set_attribute("router.tier", decision.tier)
             span.set_attribute("router.rule", decision.rule)
             span.set_attribute("router.reason", decision.reason)
@@ -512,6 +526,15 @@ def _request_signals(
     elif isinstance(request, CompletionRequest):
         signals["logprobs"] = request.logprobs is not None
     return signals
+
+
+def _expected_output(
+    policy: Policy, request: ChatCompletionRequest | CompletionRequest | None
+) -> dict[str, int]:
+    """Output tokens a request is priced at on each tier (load-aware routing): what it asks for,
+    else the tier's default ``max_tokens``."""
+    asked = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
+    return {name: asked or cfg.defaults.max_tokens for name, cfg in policy.tiers.items()}
 
 
 def _struct_to_dict(obj: Any) -> dict[str, Any]:

@@ -206,6 +206,23 @@ class Engine:
         self._backlog_cache = (now, backlog)
         return backlog
 
+    def decode_round(self, extra: int = 0) -> tuple[float, float] | None:
+        """``(seconds, tokens per row)`` of this engine's decode step once the sequences it holds
+        (running, waiting, submitted) and ``extra`` more fill its batch (at most
+        ``max_num_seqs``), at the k its controller would pick; ``(0, 1)`` for an empty batch and
+        ``None`` before any step was measured. Any thread: load-aware routing prices a sequence
+        here by it (``tiers.pacing.routing_cost``)."""
+        sched = self.scheduler
+        batch = min(
+            self.config.max_num_seqs, sched.num_running + sched.num_waiting + self._inbox.qsize() + extra
+        )
+        if batch <= 0:
+            return (0.0, 1.0)
+        try:
+            return self.spec.best_round(batch)
+        except RuntimeError:  # the device thread added a cost point mid-read: price it as unknown
+            return None
+
     # -- intake (any thread) --------------------------------------------------------------------
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, *, cache_salt: str = "", caller: str = ""
@@ -761,12 +778,18 @@ class Engine:
         started = time.perf_counter()
         _forward_scratch(self.runner, [prompt[:1]] * self.config.max_num_seqs, start=32)
         self.pace.seed(token_cost=token_cost, decode_cost=time.perf_counter() - started)
-        if self.draft is None or self.spec.max_k == 0:
-            return
         ctx, k = 32, self.spec.max_k
         sizes = sorted(
             {min(1 << i, self.config.max_num_seqs) for i in range(12)} | {self.config.max_num_seqs}
         )
+        if self.draft is None or k == 0:
+            # The plain step at each batch size: what load-aware routing prices a row by.
+            for b in sizes:
+                for _ in range(2):
+                    started = time.perf_counter()
+                    _forward_scratch(self.runner, [prompt[:1]] * b, start=ctx)
+                    self.spec.record_target(b, 1, time.perf_counter() - started)
+            return
         if isinstance(self.draft, NgramProposer):
             self._profile_ngram(prompt, sizes, ctx)
             return

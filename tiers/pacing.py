@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["Backlog", "Pace", "predict_wait"]
+__all__ = ["Backlog", "Pace", "RoutingCost", "predict_wait", "routing_cost"]
 
 PREFILL_STEP_TOKENS = 64
 """A step feeding at least this many tokens measures the cost of a token (its fixed overhead is
@@ -172,3 +172,51 @@ def predict_wait(pace: Pace, own: Backlog, prompt_tokens: int, others: list[tupl
         period = pace.loaded_period or pace.decode_cost + sum(p.decode_cost for p, b in others if b.decoding)
         slot_s = own.slot_steps * period
     return slot_s + own_s + others_s
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingCost:
+    """What one more request costs on one engine of a shared device (seconds)."""
+
+    completion_s: float
+    """Until its last token: its wait for the first, then one device turn per step it needs."""
+    delay_s: float
+    """What it adds to the sequences already decoding on the device, summed over them."""
+
+    @property
+    def total_s(self) -> float:
+        return self.completion_s + self.delay_s
+
+
+def routing_cost(
+    *,
+    wait_s: float,
+    output_tokens: float,
+    joined: tuple[float, float],
+    before_s: float,
+    others_s: float,
+    rows: int,
+    prefill_s: float = 0.0,
+) -> RoutingCost:
+    """The price of sending a request to an engine that shares its device with others.
+
+    ``joined``: ``(seconds, tokens per row)`` of the engine's decode step with the request in its
+    batch (``Engine.decode_round(1)``); ``before_s``: the step's seconds now, without it (0 when
+    the engine is idle); ``others_s``: the other engines' steps in one turn of the device worker
+    (each engine with work takes one step a turn); ``rows``: sequences decoding on the device now;
+    ``prefill_s``: the device time its prompt takes on this engine.
+
+    The request needs ``output_tokens / tokens per row`` steps, each a whole turn of the device:
+    that is its own time. Every step it adds ``joined - before`` to a turn, and every other row
+    waits for that too (an upper bound: as if they all outlived it), as they wait for its prompt.
+    On an idle device the cheapest engine wins; once an engine runs a large batch, one more row
+    there costs a sliver of its step while a step of an idle engine is added whole to every turn,
+    so requests join the running batch instead of splitting the device three ways.
+    """
+    seconds, tokens = joined
+    steps = output_tokens / max(tokens, 1e-6)
+    added = max(0.0, seconds - before_s)
+    return RoutingCost(
+        completion_s=wait_s + steps * (seconds + others_s),
+        delay_s=rows * (steps * added + prefill_s),
+    )

@@ -165,6 +165,31 @@ class SpecController:
         tokens = (1.0 - a ** (k + 1)) / (1.0 - a)
         return tokens / (target + k * draft)
 
+    def best_round(self, batch_size: int) -> tuple[float, float] | None:
+        """A decode step at ``batch_size`` rows with the k that maximises the expected rate (no
+        exploration, no side effects): ``(seconds, expected tokens per row)``. ``None`` until the
+        plain step at some batch size has been measured. What load-aware routing prices a
+        sequence on this engine by (``tiers.pacing.completion_seconds``)."""
+        a = min(self.acceptance, 0.999)
+        ks = [min(self.fixed_k, self.max_k)] if self.fixed_k is not None else range(self.max_k + 1)
+        rounds: dict[int, tuple[float, float]] = {}
+        for k in ks:
+            target = self._target(batch_size, k + 1)
+            draft = self._draft(batch_size) if k else 0.0
+            if target is not None and draft is not None:
+                rounds[k] = (target + k * draft, (1.0 - a ** (k + 1)) / (1.0 - a))
+        if not rounds:
+            return None
+        best = max(rounds, key=lambda k: rounds[k][1] / rounds[k][0])
+        # As choose_k: drafting only on a clear predicted win, so the round priced is the one run.
+        if (
+            best
+            and 0 in rounds
+            and rounds[best][1] / rounds[best][0] < SPEC_MARGIN * rounds[0][1] / rounds[0][0]
+        ):
+            best = 0
+        return rounds[best]
+
     def choose_k(self, batch_size: int, draft_lag: int = 1) -> int:
         """``draft_lag``: most tokens any row's draft must catch up on before drafting."""
         if self.max_k <= 0:

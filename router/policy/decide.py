@@ -7,6 +7,10 @@ Order of evaluation:
 2. Otherwise the rules, by descending ``priority`` then file order; the first whose conditions
    all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
+   Load (``routing.mode: load_aware``): the rule's tier is a floor; among it and the tiers above
+   (the tenant's, not full), the one whose ``costs`` (the request's predicted completion plus the
+   delay it adds to others on the shared device, ``tiers/pacing.py``) are lowest - a higher one
+   while within ``up_tolerance`` of the lowest. The rule becomes ``load:<rule>`` when it moved.
 4. Session: a follow-up of a conversation that had a tier (``session``, see router/session.py)
    never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.
 5. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
@@ -24,7 +28,7 @@ from router.errors import ModelNotFoundError
 from router.policy.schema import Condition, Policy
 from router.policy.signals import detect_language, matches_keywords
 
-__all__ = ["Decision", "RouteRequest", "ScoreLike", "decide"]
+__all__ = ["Decision", "RouteRequest", "ScoreLike", "decide", "unknown_tenant_tiers"]
 
 
 class ScoreLike(Protocol):
@@ -117,20 +121,70 @@ def _matches(w: Condition, req: RouteRequest, score: ScoreLike) -> bool:
     return not (w.not_ is not None and _matches(w.not_, req, score))
 
 
+def unknown_tenant_tiers(policy: Policy) -> list[str] | None:
+    """The tiers of a tenant the policy does not name (a key file's typo must not fail open):
+    ``tenants.default``'s, else the tiers every named tenant with ``allowed_tiers`` may use."""
+    default = policy.tenants.get("default")
+    if default is not None:
+        return default.allowed_tiers
+    lists = [set(t.allowed_tiers) for t in policy.tenants.values() if t.allowed_tiers is not None]
+    if not lists:
+        return None
+    common = set.intersection(*lists)
+    return [t for t in policy.tier_names if t in common] or [policy.tier_names[0]]
+
+
 def _cap(policy: Policy, tier: str, tenant: str | None) -> tuple[str, bool]:
     cfg = policy.tenants.get(tenant) if tenant is not None else None
-    if cfg is None or cfg.allowed_tiers is None or tier in cfg.allowed_tiers:
+    allowed = cfg.allowed_tiers if cfg is not None else None
+    if cfg is None and tenant is not None:
+        allowed = unknown_tenant_tiers(policy)
+    if allowed is None or tier in allowed:
         return tier, False
     order = policy.tier_names
-    allowed = [t for t in order if t in cfg.allowed_tiers]
-    below = [t for t in allowed if order.index(t) < order.index(tier)]
-    return (below[-1] if below else allowed[0]), True
+    ordered = [t for t in order if t in allowed]
+    below = [t for t in ordered if order.index(t) < order.index(tier)]
+    return (below[-1] if below else ordered[0]), True
+
+
+def _load_aware(
+    policy: Policy,
+    tier: str,
+    tenant: str | None,
+    costs: Mapping[str, float],
+    full: Mapping[str, bool],
+) -> tuple[str, str]:
+    """The cheapest acceptable tier at or above ``tier`` by ``costs``, and the reason's words."""
+    order = policy.tier_names
+    candidates = [
+        t
+        for t in order[order.index(tier) :]
+        if t in costs and not full.get(t, False) and not _cap(policy, t, tenant)[1]
+    ]
+    if not candidates or candidates == [tier]:
+        return tier, ""  # nothing to choose: a full floor falls back along routing.fallback
+    cheapest = min(costs[t] for t in candidates)
+    tolerance = policy.routing.load_aware.up_tolerance
+    pick = [t for t in candidates if costs[t] <= cheapest * (1 + tolerance)][-1]
+    priced = ", ".join(f"{t} {costs[t]:.3g}s" for t in candidates)
+    return pick, f"; load-aware ({priced}): '{pick}'"
+
+
+def _load_eligible(policy: Policy, rule: str, used_score: bool) -> bool:
+    names = policy.routing.load_aware.rules
+    return used_score if names is None else rule in names
 
 
 def decide(
-    policy: Policy, request: RouteRequest, score: ScoreLike, tier_load: Mapping[str, bool] | None = None
+    policy: Policy,
+    request: RouteRequest,
+    score: ScoreLike,
+    tier_load: Mapping[str, bool] | None = None,
+    costs: Mapping[str, float] | None = None,
 ) -> Decision:
-    """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free."""
+    """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free.
+    ``costs`` maps tier -> the price of this request there now (seconds; ``load_aware`` mode only,
+    tiers without one are not candidates)."""
     full = tier_load or {}
     escalated = False
     session_changed: str | None = None
@@ -166,6 +220,11 @@ def decide(
             if above is not None:
                 reason += f"; escalated {tier} -> {above} (confidence {confidence:.2f} < {threshold})"
                 tier, escalated = above, True
+        if policy.routing.mode == "load_aware" and costs and _load_eligible(policy, rule, used_score):
+            picked, why = _load_aware(policy, tier, request.tenant, costs, full)
+            reason += why
+            if picked != tier:
+                tier, rule = picked, f"load:{rule}"
         session = request.session
         if session is not None and session in policy.tiers and session != tier:
             order = policy.tier_names

@@ -314,6 +314,14 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             ctx.error(("routing", "fallback", src), f"'{src}' is not a tier")
         if dst is not None and dst not in tiers:
             ctx.error(("routing", "fallback", src), f"names tier '{dst}', which does not exist")
+    rule_names = {r.name for r in routing.rules}
+    for i, name in enumerate(routing.load_aware.rules or []):
+        if name not in rule_names:
+            ctx.error(("routing", "load_aware", "rules", i), f"names rule '{name}', which does not exist")
+    if routing.load_aware.up_tolerance < 0:
+        ctx.error(
+            ("routing", "load_aware", "up_tolerance"), f"must be >= 0, got {routing.load_aware.up_tolerance}"
+        )
     esc = routing.escalation.confidence_below
     if esc is not None and not 0 < esc <= 1:
         ctx.error(("routing", "escalation", "confidence_below"), "must be in (0, 1]")

@@ -17,6 +17,7 @@ __all__ = [
     "EscalationConfig",
     "FeedbackConfig",
     "GenerationDefaults",
+    "LoadAwareConfig",
     "Policy",
     "Routing",
     "Rule",
@@ -201,7 +202,29 @@ class EscalationConfig:
 
 
 @dataclass(slots=True)
+class LoadAwareConfig:
+    """``routing.mode: load_aware``: among the tiers a rule's answer allows, pick by the device's
+    live load (``router/policy/decide.py``)."""
+
+    rules: list[str] | None = None
+    """Rules whose tier is a floor that load may raise; null = every rule whose condition uses the
+    score (the quality rules: their tier is the cheapest the score allows, every tier above it
+    is acceptable too). Tiers forced by name or alias never move."""
+    up_tolerance: float = 0.05
+    """A higher acceptable tier is preferred while its predicted cost is within this fraction of
+    the cheapest: the same time buys the stronger model."""
+
+
+@dataclass(slots=True)
 class Routing:
+    mode: Literal["static", "load_aware"] = "static"
+    """``static``: the rule's tier. ``load_aware``: the rule's tier or any above it (within the
+    tenant's tiers), whichever costs least on the shared device now - the request's own
+    predicted completion time plus the delay it adds to the sequences already decoding
+    (``tiers/pacing.py``): cheap tiers at light load, the running batch of a busy tier instead
+    of a fresh batch on an idle one under load. ``x-router-rule`` is ``load:<rule>`` when load
+    raised the tier."""
+    load_aware: LoadAwareConfig = field(default_factory=LoadAwareConfig)
     rules: list[Rule] = field(default_factory=list)
     """Evaluated in order; the first match wins. The last rule must have no ``when`` (the default)."""
     aliases: dict[str, str] = field(default_factory=dict)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiers.pacing import CORRECTION_MEMORY_S, Backlog, Pace, predict_wait
+from tiers.pacing import CORRECTION_MEMORY_S, Backlog, Pace, predict_wait, routing_cost
+from tiers.speculative import SpecController
 
 
 def pace(token_cost: float = 0.001, decode_cost: float = 0.02, max_num_seqs: int = 16) -> Pace:
@@ -115,3 +116,56 @@ def test_a_protected_request_waits_only_for_the_other_engines_protected_prompts(
     unprotected = predict_wait(p, Backlog(0, 0, 0), 100, [other])
     assert protected == pytest.approx(0.1 + 100 * 0.002 + 0.02)
     assert unprotected == pytest.approx(0.1 + 512 * 0.002 + 0.02)
+
+
+# -- load-aware routing's price of one more request (routing_cost) ----------------------------
+
+
+def test_on_an_idle_device_the_price_is_the_requests_own_decode_time() -> None:
+    # Catches: a cost that ignores the tokens a step yields (speculation) or the request's wait.
+    cost = routing_cost(wait_s=0.1, output_tokens=64, joined=(0.020, 2.0), before_s=0.0, others_s=0.0, rows=0)
+    assert cost.completion_s == pytest.approx(0.1 + 32 * 0.020)
+    assert cost.delay_s == 0.0
+    assert cost.total_s == cost.completion_s
+
+
+def test_a_request_waits_for_every_other_engines_step_each_turn() -> None:
+    cost = routing_cost(
+        wait_s=0.0, output_tokens=10, joined=(0.005, 1.0), before_s=0.0, others_s=0.060, rows=0
+    )
+    assert cost.completion_s == pytest.approx(10 * 0.065)
+
+
+def test_joining_a_running_batch_delays_others_by_the_rows_marginal_cost_only() -> None:
+    # Eight rows decode on a 40 ms step; a ninth adds 3 ms to it. Starting an idle engine's 5 ms
+    # step instead adds all 5 ms to every turn: the cheaper step alone costs the device more.
+    join = routing_cost(
+        wait_s=0.0, output_tokens=64, joined=(0.043, 1.0), before_s=0.040, others_s=0.0, rows=8
+    )
+    fresh = routing_cost(
+        wait_s=0.0, output_tokens=64, joined=(0.005, 1.0), before_s=0.0, others_s=0.040, rows=8
+    )
+    assert join.delay_s == pytest.approx(8 * 64 * 0.003)
+    assert fresh.delay_s == pytest.approx(8 * 64 * 0.005)
+    assert join.total_s < fresh.total_s
+    # Its prompt delays them too, once.
+    with_prompt = routing_cost(
+        wait_s=0.0, output_tokens=64, joined=(0.043, 1.0), before_s=0.040, others_s=0.0, rows=8, prefill_s=0.1
+    )
+    assert with_prompt.delay_s == pytest.approx(join.delay_s + 8 * 0.1)
+
+
+def test_best_round_prices_the_k_the_controller_would_run() -> None:
+    spec = SpecController(max_k=2, acceptance=0.8)
+    assert spec.best_round(1) is None  # nothing measured yet
+    spec.record_target(1, 1, 0.010)
+    spec.record_target(1, 3, 0.012)
+    spec.record_draft(1, 1, 0.001)
+    seconds, tokens = spec.best_round(1) or (0.0, 0.0)
+    # k=2: 1 + 0.8 + 0.64 tokens for 12 + 2 ms beats k=1 (1.8 in 11 + 1 ms) and k=0 (1 in 10 ms).
+    assert (seconds, tokens) == (pytest.approx(0.014), pytest.approx(2.44))
+    assert spec.choose_k(1) == 2
+    # A draft that is never accepted is not worth its cost: the plain step is priced.
+    spec.acceptance = 0.0
+    assert spec.best_round(1) == (pytest.approx(0.010), pytest.approx(1.0))
+    assert spec.choose_k(1) == 0

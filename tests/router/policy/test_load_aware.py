@@ -1,0 +1,121 @@
+"""decide() in ``routing.mode: load_aware``: the rule's tier is a floor, the price picks among it
+and the tiers above (the prices are given here; tests/router/test_backends_load_aware.py derives
+them from engine loads)."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.errors import PolicyError
+from router.policy.decide import RouteRequest, decide
+from router.policy.loader import parse_policy
+
+YAML = """
+version: 1
+tiers:
+  small: {model: m}
+  medium: {model: m}
+  large: {model: m}
+tenants:
+  free: {allowed_tiers: [small, medium]}
+routing:
+  mode: MODE
+  load_aware: {up_tolerance: 0.1}
+  aliases: {fast: small}
+  rules:
+    - name: tools
+      when: {has_tools: true}
+      tier: small
+    - name: score-small
+      when: {score_below: 0.3}
+      tier: small
+    - name: score-medium
+      when: {score_below: 0.7}
+      tier: medium
+    - name: default
+      tier: large
+  fallback: {small: medium, medium: large, large: null}
+"""
+LOAD_AWARE = parse_policy(textwrap.dedent(YAML.replace("MODE", "load_aware")))
+STATIC = parse_policy(textwrap.dedent(YAML.replace("MODE", "static")))
+
+
+@dataclass
+class Score:
+    value: float
+    tier: str = "small"
+    probabilities: dict[str, float] = field(default_factory=lambda: {"small": 1.0})
+
+
+def route(costs: dict[str, float], score: float = 0.1, policy=LOAD_AWARE, load=None, **kw):  # type: ignore[no-untyped-def]
+    return decide(policy, RouteRequest(**kw), Score(score), load, costs)
+
+
+def test_the_cheapest_acceptable_tier_wins_and_the_rule_says_load_raised_it() -> None:
+    d = route({"small": 2.0, "medium": 1.0, "large": 3.0})
+    assert (d.tier, d.rule) == ("medium", "load:score-small")
+    assert "load-aware" in d.reason and "medium" in d.reason
+
+
+def test_the_rules_tier_is_kept_when_it_is_cheapest_and_the_rule_is_unchanged() -> None:
+    d = route({"small": 1.0, "medium": 2.0, "large": 3.0})
+    assert (d.tier, d.rule) == ("small", "score-small")
+
+
+def test_never_below_the_rules_tier() -> None:
+    # A medium-scored prompt never goes to small, however cheap small is.
+    d = route({"small": 0.01, "medium": 2.0, "large": 3.0}, score=0.5)
+    assert (d.tier, d.rule) == ("medium", "score-medium")
+
+
+def test_a_higher_tier_within_the_tolerance_is_preferred() -> None:
+    d = route({"small": 1.0, "medium": 1.5, "large": 1.09})
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+    d = route({"small": 1.0, "medium": 1.5, "large": 1.11})
+    assert d.tier == "small"
+
+
+def test_full_tiers_are_not_candidates_and_a_full_floor_moves_up() -> None:
+    d = route({"small": 1.0, "medium": 2.0, "large": 0.5}, load={"large": True})
+    assert d.tier == "small"
+    d = route({"small": 1.0, "medium": 2.0, "large": 3.0}, load={"small": True})
+    assert (d.tier, d.rule, d.rejected) == ("medium", "load:score-small", False)
+
+
+def test_the_tenants_tiers_bound_the_choice() -> None:
+    d = route({"small": 2.0, "medium": 3.0, "large": 0.5}, tenant="free")
+    assert (d.tier, d.capped) == ("small", False)
+
+
+def test_static_mode_forced_names_and_rules_without_the_score_ignore_prices() -> None:
+    cheap_large = {"small": 5.0, "medium": 5.0, "large": 0.1}
+    assert route(cheap_large, policy=STATIC).tier == "small"
+    assert route(cheap_large, model="small").tier == "small"
+    assert route(cheap_large, model="fast").tier == "small"
+    assert route(cheap_large, has_tools=True).rule == "tools"  # not a score rule
+    # Tiers without a price (remote, unmeasured) are no candidates.
+    assert route({"small": 5.0}).tier == "small"
+
+
+def test_listed_rules_may_move_even_without_the_score() -> None:
+    policy = parse_policy(
+        textwrap.dedent(YAML.replace("MODE", "load_aware").replace("{up_tolerance: 0.1}", "{rules: [tools]}"))
+    )
+    assert route({"small": 5.0, "large": 0.1}, policy=policy, has_tools=True).tier == "large"
+    assert route({"small": 5.0, "large": 0.1}, policy=policy).tier == "small"  # score-small not listed
+
+
+def test_load_aware_settings_are_validated_with_their_field_path() -> None:
+    bad = YAML.replace("MODE", "load_aware").replace(
+        "{up_tolerance: 0.1}", "{rules: [nope], up_tolerance: -1}"
+    )
+    with pytest.raises(PolicyError) as err:
+        parse_policy(textwrap.dedent(bad))
+    text = str(err.value)
+    assert "routing.load_aware.rules[0]" in text and "nope" in text
+    assert "routing.load_aware.up_tolerance" in text
+    with pytest.raises(PolicyError, match=r"routing\.mode"):
+        parse_policy(textwrap.dedent(YAML.replace("MODE", "fastest")))

@@ -1,0 +1,124 @@
+"""TierSet.routing_costs: the price of one more request on each tier, from the engines' live
+state, driving decide() in load-aware mode (fake engines: the step costs are given)."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.backends import LocalTier, TierSet
+from router.policy.decide import RouteRequest, decide
+from router.policy.loader import parse_policy
+from router.policy.schema import TierConfig
+
+POLICY = parse_policy(
+    textwrap.dedent("""
+    version: 1
+    tiers:
+      small: {model: m}
+      medium: {model: m}
+      large: {model: m}
+    routing:
+      mode: load_aware
+      rules:
+        - {name: score-small, when: {score_below: 0.3}, tier: small}
+        - {name: score-medium, when: {score_below: 0.7}, tier: medium}
+        - {name: score-large, tier: large}
+      fallback: {small: medium, medium: large, large: null}
+    """)
+)
+
+
+@dataclass
+class Score:
+    value: float = 0.1
+    tier: str = "small"
+    probabilities: dict[str, float] = field(default_factory=lambda: {"small": 1.0})
+
+
+@dataclass
+class FakeScheduler:
+    num_running: int = 0
+
+
+@dataclass
+class FakePace:
+    token_cost: float = 0.0001
+
+
+class FakeEngine:
+    """An engine whose decode step costs ``step_s[b]`` at batch ``b`` (one token a row)."""
+
+    tokenizer: Any = None
+
+    def __init__(self, step_s: dict[int, float], running: int = 0, max_num_seqs: int = 16) -> None:
+        self.step_s = step_s
+        self.scheduler = FakeScheduler(running)
+        self.pace = FakePace()
+        self.max_num_seqs = max_num_seqs
+
+    def has_work(self) -> bool:
+        return self.scheduler.num_running > 0
+
+    def decode_round(self, extra: int = 0) -> tuple[float, float] | None:
+        b = min(self.max_num_seqs, self.scheduler.num_running + extra)
+        return (self.step_s[b] if b else 0.0, 1.0)
+
+
+def linear(base: float, per_row: float) -> dict[int, float]:
+    return {b: base + per_row * b for b in range(1, 17)}
+
+
+def tierset(small: FakeEngine, medium: FakeEngine, large: FakeEngine) -> TierSet:
+    engines = {"small": small, "medium": medium, "large": large}
+    return TierSet(
+        {n: LocalTier(n, TierConfig(model="m"), e, None) for n, e in engines.items()},  # type: ignore[arg-type]
+        worker=None,
+    )
+
+
+def route(ts: TierSet, waits: dict[str, float] | None = None, score: float = 0.1) -> Any:
+    waits = waits or dict.fromkeys(ts.tiers, 0.0)
+    costs = ts.routing_costs(waits, dict.fromkeys(ts.tiers, 64), prompt_tokens=20)
+    return decide(POLICY, RouteRequest(), Score(score), {}, {t: c.total_s for t, c in costs.items()})
+
+
+# Step costs shaped like the default ladder on a CPU: a big fixed cost per step that grows slowly
+# with the batch, cheapest for small.
+SMALL, MEDIUM, LARGE = linear(0.004, 0.0008), linear(0.008, 0.001), linear(0.020, 0.0025)
+
+
+def test_on_an_idle_device_a_cheap_prompt_goes_to_the_cheapest_acceptable_tier() -> None:
+    d = route(tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE)))
+    assert (d.tier, d.rule) == ("small", "score-small")
+    d = route(tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE)), score=0.5)
+    assert (d.tier, d.rule) == ("medium", "score-medium")
+
+
+def test_a_large_batch_with_room_takes_the_cheap_prompt_for_its_marginal_cost() -> None:
+    # Catches: pricing a tier by its own step alone (small's 5 ms beats large's 45 ms), which
+    # starts a third batch on the device - every turn then also runs small's whole step.
+    ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE, running=10))
+    costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=20)
+    assert costs["large"].delay_s < costs["small"].delay_s
+    d = route(ts)
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+
+
+def test_a_full_large_tier_sends_the_prompt_to_the_cheapest_acceptable_tier() -> None:
+    # At max_num_seqs a new row must wait for a slot (admission's predicted wait) and adds no
+    # row to the step: the wait decides.
+    ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE, running=16))
+    d = route(ts, waits={"small": 0.0, "medium": 0.0, "large": 30.0})
+    assert (d.tier, d.rule) == ("small", "score-small")
+
+
+def test_unmeasured_and_remote_tiers_are_left_out() -> None:
+    class Unmeasured(FakeEngine):
+        def decode_round(self, extra: int = 0) -> tuple[float, float] | None:
+            return None
+
+    ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), Unmeasured(LARGE))
+    costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=0)
+    assert set(costs) == {"small", "medium"}
