@@ -34,6 +34,16 @@ class CallContext:
     tenant_label: str = "-"
     """The tenant as a metric label: a tenant the policy names, ``other``, or ``-`` (bounded)."""
 
+    @property
+    def partition(self) -> str:
+        """Whose data this request may see and warm (response cache, semantic scope, sessions,
+        prefix cache, feedback): ``t:<tenant>`` when the caller has a tenant, else ``k:<key
+        fingerprint>`` (a digest prefix, never the key), else ``-`` (an anonymous caller of an
+        ``open`` server). Two keys without a tenant are two partitions."""
+        if self.tenant is not None:
+            return "t:" + self.tenant
+        return "k:" + self.principal if self.principal is not None else "-"
+
 
 @dataclass(slots=True)
 class Routed:

@@ -44,11 +44,29 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     policy = _load_policy(args.file)
     if policy is None:
         return 2
+    for warning in _unknown_key_tenants(policy):
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"{args.file}: valid (version {policy.version}, tiers: {', '.join(policy.tiers)}, "
         f"{len(policy.routing.rules)} rules)"
     )
     return 0
+
+
+def _unknown_key_tenants(policy: Policy) -> list[str]:
+    """A line per tenant that the keys (where readable here) name but ``tenants`` does not: it
+    gets ``tenants.default``'s caps, or the tiers every named tenant shares (never all of them)."""
+    from router.auth import load_entries
+    from router.policy.decide import unknown_tenant_tiers
+
+    auth = policy.service.auth
+    if auth.mode != "keys":
+        return []
+    entries, _ = load_entries(auth)
+    unknown = sorted({t for t in entries.values() if t is not None and t not in policy.tenants})
+    tiers = unknown_tenant_tiers(policy)
+    caps = "all tiers" if tiers is None else "tiers " + ", ".join(tiers)
+    return [f"tenants.{t}: named by an API key but not in the policy; it gets {caps}" for t in unknown]
 
 
 def cmd_policy_plan(args: argparse.Namespace) -> int:

@@ -4,9 +4,11 @@ engine's refusals turned into OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jinja2 import TemplateError
@@ -21,7 +23,15 @@ from tiers.engine import EngineFullError
 from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
 
-__all__ = ["choice_params", "local_stream", "sampling_params", "system_fingerprint"]
+__all__ = [
+    "choice_params",
+    "local_stream",
+    "local_stream_async",
+    "prepare_local",
+    "sampling_params",
+    "submit_local",
+    "system_fingerprint",
+]
 
 
 def system_fingerprint(tier: str, key: Any) -> str:
@@ -104,10 +114,10 @@ def choice_params(backend: LocalTier, gen: Generation, base: SamplingParams) -> 
     return params
 
 
-def local_stream(backend: LocalTier, gen: Generation) -> tuple[list[AsyncIterator[StepOutput]], int]:
-    """Tokenize (the tier's chat template, or the structured-output spec's native prompt), build
-    each choice's sampling parameters and submit to the tier's engine: one output stream per
-    choice and the prompt's token count."""
+def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[SamplingParams]]:
+    """Tokenize (the tier's chat template, or the structured-output spec's native prompt) and
+    build each choice's sampling parameters (grammar matchers included). Work that grows with the
+    request (a 1 MB prompt, a large schema): ``local_stream_async`` runs it off the event loop."""
     from router.logprobs import token_texts
 
     spec = gen.output
@@ -126,9 +136,17 @@ def local_stream(backend: LocalTier, gen: Generation) -> tuple[list[AsyncIterato
     if spec is not None:
         spec.token_texts = token_texts(backend.tokenizer)
         spec.system_fingerprint = system_fingerprint(backend.name, backend.key)
-    # The tenant names the prefix-cache partition: one tenant's prompts never warm (or time)
-    # another's cached KV.
-    salt = (gen.ctx.tenant or "") if gen.ctx is not None else ""
+    return ids, params
+
+
+def submit_local(
+    backend: LocalTier, gen: Generation, ids: list[int], params: list[SamplingParams]
+) -> list[AsyncIterator[StepOutput]]:
+    """Submit a prepared request to the tier's engine (on the event loop): one stream per choice."""
+    # The caller's partition names the prefix-cache salt: one tenant's (or tenant-less key's)
+    # prompts never warm, or time, another's cached KV. Anonymous callers share the unsalted cache.
+    partition = gen.ctx.partition if gen.ctx is not None else "-"
+    salt = "" if partition == "-" else partition
     # Fair sharing of batch slots between callers (tiers/scheduler.py): a flood cannot starve
     # a trickle, and each caller's requests keep their order.
     caller = (gen.ctx.principal or "") if gen.ctx is not None else ""
@@ -145,4 +163,51 @@ def local_stream(backend: LocalTier, gen: Generation) -> tuple[list[AsyncIterato
         raise BadRequestError(
             str(exc), param="messages" if gen.kind == "chat" else "prompt", code="context_length_exceeded"
         ) from exc
-    return [h.__aiter__() for h in handles], len(ids)
+    return [h.__aiter__() for h in handles]
+
+
+def local_stream(backend: LocalTier, gen: Generation) -> tuple[list[AsyncIterator[StepOutput]], int]:
+    """``prepare_local`` then ``submit_local``, inline: one output stream per choice and the
+    prompt's token count. For requests already bounded (shadow answers of served requests)."""
+    ids, params = prepare_local(backend, gen)
+    return submit_local(backend, gen, ids, params), len(ids)
+
+
+_GRAMMAR_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+"""Grammar compilations run here, two at a time: a flood of fresh schemas queues behind itself,
+not behind (or in front of) every other request's tokenization in the loop's default executor."""
+
+
+async def local_stream_async(
+    backend: LocalTier, gen: Generation, *, grammar_timeout_s: float
+) -> tuple[list[AsyncIterator[StepOutput]], int]:
+    """``local_stream`` with the request-sized work off the event loop: the grammar compiled in
+    ``_GRAMMAR_POOL`` within ``grammar_timeout_s`` (cached by the schema's hash, so the matchers
+    ``prepare_local`` builds are copies), tokenization in a worker thread; only the submission runs
+    on the loop. A compilation past its budget is a 400 (it finishes in the background and is
+    cached, so a retry of the same schema is fast)."""
+    from tiers.grammar import GrammarError, compiler_for
+
+    spec = gen.output
+    if spec is not None and spec.grammar is not None:
+        compiler = compiler_for(backend.tokenizer)
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(_GRAMMAR_POOL, compiler.validate, spec.grammar), grammar_timeout_s
+            )
+        except TimeoutError:
+            raise BadRequestError(
+                f"The {spec.grammar_param} schema took longer than {grammar_timeout_s:g} s to compile "
+                "(service.limits.grammar_timeout_s); simplify it.",
+                param=spec.grammar_param,
+                code="limit_exceeded",
+            ) from None
+        except GrammarError as exc:
+            raise BadRequestError(
+                f"The {spec.grammar_param} schema cannot be enforced: {exc}",
+                param=spec.grammar_param,
+                code="invalid_schema",
+            ) from exc
+    ids, params = await asyncio.to_thread(prepare_local, backend, gen)
+    return submit_local(backend, gen, ids, params), len(ids)

@@ -184,7 +184,7 @@ async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[An
         if data.messages is not None
         else None
     )
-    info = service.route_info(_context(request), data.model, messages, data.prompt)
+    info = await service.route_info(_context(request), data.model, messages, data.prompt)
     headers = {
         "x-router-tier": info["tier"],
         "x-router-score": f"{info['score']:.4f}",

@@ -179,7 +179,7 @@ def validate_sampling(req: _SamplingFields) -> None:
         raise BadRequestError(f"'n' must be an integer in [1, {MAX_N}], got {req.n}.", param="n")
     _finite("min_p", req.min_p, 0.0, 1.0)
     for token, bias in (req.logit_bias or {}).items():
-        if not token.isdigit():
+        if not (token.isascii() and token.isdigit()):  # "²".isdigit() is true; int("²") raises
             raise BadRequestError(
                 f"'logit_bias' keys must be token ids (integers as strings), got {token!r}.",
                 param="logit_bias",

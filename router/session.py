@@ -9,10 +9,10 @@ No server-side sessions are needed. A conversation is recognised by what the cli
   finds what turn 1 ``[u1]`` stored, and turn 3 ``[u1, a1, u2, a2, u3]`` what turn 2 stored
   under ``[u1, u2]``.
 
-Keys are scoped by tenant, so one tenant cannot steer another's routing by sending its
-messages. Memory is bounded: at most ``max_entries`` keys (least recently used go first), each
-forgotten ``ttl_s`` after its last use. One entry is a 16-byte digest, a tier name and a time:
-100,000 conversations cost about 20 MB.
+Keys are scoped by the caller's partition (its tenant, else its key's fingerprint), so one
+caller cannot steer another's routing by sending its messages. Memory is bounded: at most
+``max_entries`` keys (least recently used go first), each forgotten ``ttl_s`` after its last use.
+One entry is a 16-byte digest, a tier name and a time: 100,000 conversations cost about 20 MB.
 
 A follow-up with a remembered tier is decided as usual, then ``floor`` mode raises a decision
 below the remembered tier to it (the default: a conversation only escalates) and ``pin`` mode
@@ -70,12 +70,12 @@ def _last_user(messages: Sequence[Mapping[str, Any]]) -> int:
     return -1
 
 
-def _scope(tenant: str | None) -> str:
-    return f"t:{tenant}\x00" if tenant is not None else "t:-\x00"
+def _scope(partition: str | None) -> str:
+    return f"p:{partition if partition is not None else '-'}\x00"
 
 
 def prior_key(
-    messages: Sequence[Mapping[str, Any]] | None, headers: Mapping[str, str], tenant: str | None
+    messages: Sequence[Mapping[str, Any]] | None, headers: Mapping[str, str], partition: str | None
 ) -> bytes | None:
     """The key a follow-up looks up: its explicit session id, else its conversation before the last ask.
 
@@ -83,26 +83,26 @@ def prior_key(
     """
     sid = headers.get(SESSION_HEADER)
     if sid:
-        return _digest(_scope(tenant) + "sid\x00" + sid, [])
+        return _digest(_scope(partition) + "sid\x00" + sid, [])
     if not messages:
         return None
     last = _last_user(messages)
     prior = messages[:last] if last >= 0 else list(messages)
     if not any(m.get("role") == "user" for m in prior):
         return None
-    return _digest(_scope(tenant) + "conv\x00", prior)
+    return _digest(_scope(partition) + "conv\x00", prior)
 
 
 def record_key(
-    messages: Sequence[Mapping[str, Any]] | None, headers: Mapping[str, str], tenant: str | None
+    messages: Sequence[Mapping[str, Any]] | None, headers: Mapping[str, str], partition: str | None
 ) -> bytes | None:
     """The key this request's tier is stored under: what its next turn will look up."""
     sid = headers.get(SESSION_HEADER)
     if sid:
-        return _digest(_scope(tenant) + "sid\x00" + sid, [])
+        return _digest(_scope(partition) + "sid\x00" + sid, [])
     if not messages or not any(m.get("role") == "user" for m in messages):
         return None
-    return _digest(_scope(tenant) + "conv\x00", messages)
+    return _digest(_scope(partition) + "conv\x00", messages)
 
 
 class SessionMemory:

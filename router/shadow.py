@@ -53,7 +53,14 @@ if TYPE_CHECKING:
     from router.policy.schema import FeedbackConfig, Policy, ShadowConfig
     from tiers.output import StepOutput
 
-__all__ = ["FeedbackLog", "IssuedAnswers", "ShadowRecorder", "thumbs_score"]
+__all__ = [
+    "MAX_SCORES_PER_ID",
+    "FeedbackConflictError",
+    "FeedbackLog",
+    "IssuedAnswers",
+    "ShadowRecorder",
+    "thumbs_score",
+]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +128,14 @@ def thumbs_score(thumbs: str) -> float:
     return 1.0 if thumbs == "up" else 0.0
 
 
+MAX_SCORES_PER_ID = 4
+"""Different scores one answer may receive (a user changing their mind), each one line."""
+
+
+class FeedbackConflictError(Exception):
+    """An answer that has already received ``MAX_SCORES_PER_ID`` different scores."""
+
+
 class FeedbackLog:
     """``POST /v1/feedback``: one outcome line per piece of feedback on an issued answer."""
 
@@ -128,21 +143,29 @@ class FeedbackLog:
         self.cfg = cfg
         self.record_content = record_content
         self.issued = IssuedAnswers(cfg.max_ids, cfg.ttl_s)
+        self._claim = threading.Lock()
         self._writer = _JsonlWriter(cfg.log_path)
         self.received = Counter(
             "router_feedback", "Feedback received, by result", ["result"], registry=registry
         )
 
     def remember(self, ids: list[str], gen: Generation, d: Decision) -> None:
-        info: dict[str, Any] = {"tier": d.tier, "rule": d.rule, "id": ids[0]}
+        partition = gen.ctx.partition if gen.ctx is not None else "-"
+        info: dict[str, Any] = {"tier": d.tier, "rule": d.rule, "id": ids[0], "partition": partition}
         if self.record_content:
             info["prompt"] = _prompt_text(gen)
         self.issued.put(ids, info)
 
-    def record(self, rid: str, score: float) -> dict[str, Any] | None:
-        """The written line, or None for an id this service did not issue (or has forgotten)."""
+    def record(self, rid: str, score: float, partition: str = "-") -> dict[str, Any] | None:
+        """The written line, or None for an id this service did not issue to ``partition`` (or has
+        forgotten): another caller's answer is as unknown as one never issued.
+
+        A second score for an id replaces the first (the later line wins when outcomes are merged
+        by id); the same score again writes nothing, and past ``MAX_SCORES_PER_ID`` different
+        scores ``FeedbackConflictError`` is raised (409). Blocking (file I/O): call it off the loop.
+        """
         info = self.issued.get(rid)
-        if info is None:
+        if info is None or info.get("partition", "-") != partition:
             self.received.labels("unknown_id").inc()
             return None
         row: dict[str, Any] = {
@@ -150,10 +173,20 @@ class FeedbackLog:
             "time": _stamp(),
             "kind": "feedback",
             "rule": info["rule"],
+            "partition": partition,
             "outcomes": {info["tier"]: score},
         }
         if "prompt" in info:
             row["prompt"] = info["prompt"]
+        with self._claim:
+            scores: list[float] = info.setdefault("scores", [])
+            if scores and scores[-1] == score:
+                self.received.labels("repeated").inc()
+                return row
+            if len(scores) >= MAX_SCORES_PER_ID:
+                self.received.labels("conflict").inc()
+                raise FeedbackConflictError(rid)
+            scores.append(score)
         self._writer.write(row)
         self.received.labels("recorded").inc()
         return row

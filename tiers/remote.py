@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ _MAX_ERROR_BODY = 64 * 1024
 # Errors on an open connection: the request may not have reached the upstream, or its answer did
 # not get back; safe to retry only while nothing was passed on.
 _TRANSPORT_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.LocalProtocolError)
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class RemoteError(RuntimeError):
@@ -75,6 +76,8 @@ class CircuitBreaker:
         self._consecutive = 0
         self._opened_at: float | None = None
         self._trial = False
+        self._trials = 0
+        """Trials handed out so far: names the current one, so only its holder can give it back."""
 
     def open_for(self) -> float | None:
         """Seconds the circuit stays open (None when requests may go through)."""
@@ -86,12 +89,26 @@ class CircuitBreaker:
         return 0.0 if self._trial else None  # half-open: free until the trial is taken
 
     def allow(self) -> bool:
+        """Whether a request may go; in half-open the one that may holds the trial
+        (``held_trial``), which it must settle: ``success``, ``failure``, or ``release`` when it
+        ends without a verdict (cancelled, cut by a client deadline)."""
         if self._opened_at is None:
             return True
         if time.monotonic() - self._opened_at < self.cooldown_s or self._trial:
             return False
         self._trial = True  # the one request that probes the upstream
+        self._trials += 1
         return True
+
+    @property
+    def held_trial(self) -> int:
+        """The number of the trial in progress (0: none). Read right after ``allow``."""
+        return self._trials if self._trial else 0
+
+    def release(self, trial: int) -> None:
+        """Give back an unsettled trial: the next request probes instead (never stuck half-open)."""
+        if trial and self._trial and trial == self._trials:
+            self._trial = False
 
     def success(self) -> None:
         if self._opened_at is not None:
@@ -160,19 +177,20 @@ class RemoteTier:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def generate(self, kind: str, body: dict[str, Any]) -> AsyncIterator[StepOutput]:
-        """``kind``: ``chat`` or ``completion``; ``body``: the client's request with ``model`` rewritten."""
+    def generate(self, kind: str, body: dict[str, Any]) -> AsyncIterator[StepOutput]:
+        """``kind``: ``chat`` or ``completion``; ``body``: the client's request with ``model`` rewritten.
+
+        Admission happens here, at the call, not at the first read: the circuit's verdict
+        (``RemoteError`` 503 when open) and a slot in ``in_flight``, so a burst is counted as it
+        is admitted. The returned stream gives both back however it ends (exhausted, closed,
+        cancelled, or dropped unread)."""
         path = "/chat/completions" if kind == "chat" else "/completions"
         payload = dict(body, model=self.served_model, stream=True, stream_options={"include_usage": True})
         if not self.circuit.allow():
             left = self.circuit.open_for() or self.circuit.cooldown_s
             raise RemoteError(f"tier '{self.name}' is unavailable (circuit open)", 503, retry_after=left)
         self.in_flight += 1
-        try:
-            async for out in self._stream(path, payload, kind):
-                yield out
-        finally:
-            self.in_flight -= 1
+        return _Reserved(self, self._stream(path, payload, kind), self.circuit.held_trial)
 
     async def _stream(self, path: str, payload: dict[str, Any], kind: str) -> AsyncIterator[StepOutput]:
         attempt = 0
@@ -213,6 +231,12 @@ class RemoteTier:
                     ) from exc
                 attempt += 1
                 await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+            except httpx.PoolTimeout as exc:
+                # Every connection is busy: this side is full, the upstream may be perfectly
+                # healthy. Not a circuit failure (that would open it on load), a 503 to retry.
+                raise RemoteError(
+                    f"tier '{self.name}': at capacity (connection pool)", 503, retry_after=1.0
+                ) from exc
             except httpx.TimeoutException as exc:  # read/write timeout: retrying would double the wait
                 self.circuit.failure()
                 raise RemoteError(
@@ -224,6 +248,13 @@ class RemoteTier:
         become 502 (503 for 503/504) without the upstream's text (it may hold internals)."""
         status = resp.status_code
         retry_after = _retry_after(resp.headers.get("retry-after"))
+        if status in (401, 403):
+            # The router's own credentials were refused: a server-side fault, never the client's.
+            # Neither the upstream's message nor its headers (``www-authenticate``) go out.
+            await resp.aread()
+            return RemoteError(
+                f"tier '{self.name}': the upstream refused the router's credentials ({status})", 502
+            )
         if status >= 500:
             await resp.aread()
             if status in (503, 504):
@@ -304,17 +335,61 @@ class RemoteTier:
             )
 
 
+class _Reserved:
+    """An admitted answer's stream: on its end, however it comes, the tier's ``in_flight`` slot
+    and (in half-open) the circuit's trial are given back, once."""
+
+    def __init__(self, tier: RemoteTier, stream: AsyncIterator[StepOutput], trial: int) -> None:
+        self._tier = tier
+        self._stream = stream
+        self._trial = trial
+        self._held = True
+
+    def __aiter__(self) -> _Reserved:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        try:
+            return await anext(self._stream)
+        except BaseException:  # the end, an error, a cancellation (a client deadline)
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self._tier.in_flight -= 1
+            self._tier.circuit.release(self._trial)
+
+    def __del__(self) -> None:  # admitted, then dropped unread (an error before the first read)
+        self._release()
+
+
 class _Retry(Exception):
     pass
 
 
+MAX_RETRY_AFTER_S = 3600.0
+"""An upstream's ``Retry-After`` is capped here (``inf`` or a year would pass through otherwise)."""
+
+
 def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` value; None for a date, garbage, NaN or a negative."""
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value.strip())
     except ValueError:
         return None  # an HTTP date: rare from inference servers; the client's default applies
+    if math.isnan(seconds) or seconds < 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S)
 
 
 def _error_object(raw: bytes) -> dict[str, Any]:

@@ -17,6 +17,7 @@ __all__ = [
     "EscalationConfig",
     "FeedbackConfig",
     "GenerationDefaults",
+    "LimitsConfig",
     "LoadAwareConfig",
     "Policy",
     "Routing",
@@ -320,6 +321,25 @@ class FeedbackConfig:
 
 
 @dataclass(slots=True)
+class LimitsConfig:
+    """What one request may ask of the service (router/limits.py); past a bound it is a 400 that
+    names the limit. Each bounds work that grows with the request and that no client should be
+    able to make everyone else wait for."""
+
+    max_logit_bias: int = 300
+    """Entries in ``logit_bias`` (OpenAI's own cap): each is applied to every row at every step."""
+    max_tools: int = 128
+    """Tools in one request (OpenAI's cap); each adds to the prompt and to the tool-call grammar."""
+    max_schema_nodes: int = 2000
+    """Objects, arrays and values in one JSON schema (``response_format`` or a tool's
+    ``parameters``), counted together: the grammar compiled from it grows with it."""
+    max_schema_depth: int = 24
+    """Nesting depth of one JSON schema."""
+    grammar_timeout_s: float = 5.0
+    """Wall-clock budget for compiling one schema's grammar (off the event loop); past it, 400."""
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     max_body_bytes: int = 1_048_576
     """Request bodies above this get 413 before they are read in full."""
@@ -334,6 +354,7 @@ class ServiceConfig:
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
 @dataclass(slots=True)
