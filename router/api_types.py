@@ -6,7 +6,19 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ChatCompletion", "ErrorResponse", "Model", "ModelList", "RouteDecision", "TextCompletion"]
+__all__ = [
+    "AnthropicError",
+    "AnthropicMessage",
+    "AnthropicTokenCount",
+    "ChatCompletion",
+    "DeletedResponse",
+    "ErrorResponse",
+    "Model",
+    "ModelList",
+    "ResponseObject",
+    "RouteDecision",
+    "TextCompletion",
+]
 
 
 class ErrorBody(msgspec.Struct):
@@ -111,3 +123,73 @@ class RouteDecision(msgspec.Struct):
     prompt_tokens: int
     classify_ms: float
     policy: str
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+
+
+class ResponseObject(msgspec.Struct):
+    """OpenAI Responses API ``response`` (``POST /v1/responses``, ``GET /v1/responses/{id}``)."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    """completed | incomplete (``max_output_tokens``) | failed"""
+    model: str
+    """The tier that answered."""
+    output: list[dict[str, Any]]
+    """``message`` items (``output_text`` parts) and ``function_call`` items."""
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+
+
+class DeletedResponse(msgspec.Struct):
+    id: str
+    object: str
+    deleted: bool
+
+
+class AnthropicUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class AnthropicMessage(msgspec.Struct):
+    """Anthropic Messages API ``message`` (``POST /v1/messages``)."""
+
+    id: str
+    type: str
+    role: str
+    model: str
+    """The tier that answered."""
+    content: list[dict[str, Any]]
+    """``text`` and ``tool_use`` blocks."""
+    stop_reason: str
+    """end_turn | max_tokens | stop_sequence | tool_use"""
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct):
+    type: str
+    error: AnthropicErrorBody
+
+
+class AnthropicTokenCount(msgspec.Struct):
+    input_tokens: int

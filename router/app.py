@@ -15,10 +15,12 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
+from router.anthropic_messages import MESSAGES_ROUTES
 from router.auth import Authenticator
 from router.backends import TierSet
 from router.lifespan import make_lifespan
 from router.middleware import admin_listener, router_middleware
+from router.openai_responses import RESPONSES_ROUTES, ResponseStore
 from router.policy.loader import load_policy
 from router.routes import ROUTES, error_response
 
@@ -53,7 +55,7 @@ def create_app(
         reload_interval_s=reload_interval_s,
     )
     return Litestar(
-        route_handlers=ROUTES,
+        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES],
         lifespan=[lifespan],
         middleware=[router_middleware],
         exception_handlers={Exception: error_response},
@@ -66,6 +68,7 @@ def create_app(
                 "auth": auth,
                 "admin_separate": admin_separate,
                 "body_timeout_s": body_timeout_s,
+                "response_store": ResponseStore(),
             }
         ),
         debug=False,

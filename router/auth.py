@@ -1,6 +1,7 @@
 """API-key auth, fail-closed. The policy states the mode (``service.auth.mode``):
 
-- ``keys`` (the default): every API request needs ``Authorization: Bearer <key>``. Keys come from
+- ``keys`` (the default): every API request needs ``Authorization: Bearer <key>`` (or
+  Anthropic's ``x-api-key: <key>``, the same keys and tenants). Keys come from
   an environment variable or a file (a mounted Secret), never from the policy in clear; each may
   name its tenant (``key`` or ``key:tenant``). With no key loaded the service refuses to start.
   The file is re-read when it changes, so a rotated or revoked key takes effect without a restart.
@@ -200,7 +201,10 @@ class Authenticator:
             header_tenant = raw[:MAX_TENANT_CHARS] or None
         if self.open:
             return Caller(header_tenant, header_tenant)
-        found = self.keys.lookup(headers.get("authorization"))
+        authorization = headers.get("authorization")
+        if not authorization and headers.get("x-api-key"):  # Anthropic's header, same keys
+            authorization = "Bearer " + headers["x-api-key"]
+        found = self.keys.lookup(authorization)
         if found is None:
             return None
         tenant, fingerprint = found

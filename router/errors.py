@@ -21,6 +21,7 @@ __all__ = [
     "RateLimitError",
     "RouterError",
     "UnavailableError",
+    "anthropic_error_body",
 ]
 
 
@@ -118,6 +119,24 @@ class UnavailableError(RouterError):
     status_code = 503
     error_type = "server_error"
     default_code = "service_unavailable"
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    """The Anthropic Messages API's error shape, for the same status an OpenAI route would give."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,10 +63,23 @@ def sampling_params(backend: LocalTier, gen: Generation, num_prompt: int) -> Sam
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
         ignore_eos=eos_free,
+        stop_token_ids=_stop_token_ids(backend, req.stop_token_ids),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
         min_p=req.min_p or 0.0,
         logit_bias=_logit_bias(backend, req.logit_bias),
         logprobs=_logprobs(gen),
     )
+
+
+def _stop_token_ids(backend: LocalTier, ids: list[int] | None) -> tuple[int, ...]:
+    vocab = len(backend.tokenizer)
+    for token in ids or []:
+        if token >= vocab:
+            raise BadRequestError(
+                f"'stop_token_ids' names token {token}; tier '{backend.name}' has {vocab} tokens.",
+                param="stop_token_ids",
+            )
+    return tuple(ids or ())
 
 
 def _logit_bias(backend: LocalTier, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

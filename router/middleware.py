@@ -2,7 +2,7 @@
 server span and ``Server-Timing``.
 
 Paths fall in three groups:
-- public: ``/healthz`` and ``/readyz`` (probes; they say nothing about internals);
+- public: ``/healthz`` (alias ``/health``) and ``/readyz`` (probes; they say nothing about internals);
 - operator: ``/metrics``, ``/dashboard``, ``/schema``. With a separate admin listener (``serve``'s
   default) they exist only there, unauthenticated, and the API port answers 404; without one they
   need an API key like everything else;
@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Status, StatusCode
 
-from router.errors import AuthError, ModelNotFoundError, PayloadTooLargeError, RouterError
+from router.errors import (
+    AuthError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    RouterError,
+    anthropic_error_body,
+)
 
 if TYPE_CHECKING:
     from litestar import Litestar
@@ -32,7 +38,7 @@ __all__ = ["LISTENER_KEY", "MAX_HEADER_BYTES", "admin_listener", "is_operator_pa
 MAX_HEADER_BYTES = 64 * 1024
 """Larger header sections get 431 (the C HTTP parser has no limit of its own)."""
 
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+PUBLIC_PATHS = frozenset({"/healthz", "/health", "/readyz"})
 OPERATOR_PATHS = frozenset({"/metrics", "/dashboard", "/dashboard/data", "/schema"})
 LISTENER_KEY = "router.listener"
 """ASGI scope key naming the listener a request came in on (``admin`` for the operator port)."""
@@ -90,15 +96,18 @@ def router_middleware(app: Any) -> Any:
         if needs_auth:
             caller = auth.authenticate(headers)
             if caller is None:
-                err = AuthError("Incorrect or missing API key. Provide it as 'Authorization: Bearer <key>'.")
-                await send_error(send, err)
+                err = AuthError(
+                    "Incorrect or missing API key. Provide it as 'Authorization: Bearer <key>'"
+                    " (or 'x-api-key: <key>')."
+                )
+                await send_error(send, err, path)
                 return
             scope["state"]["caller"] = caller
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             limit = state.service.policy.service.max_body_bytes
             declared = headers.get("content-length") if headers else _header(raw_headers, b"content-length")
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-                await send_error(send, _too_large())
+                await send_error(send, _too_large(), path)
                 return
             receive = _limited(receive, limit, state.body_timeout_s)
         send = _with_server_timing(send)
@@ -206,8 +215,13 @@ def _with_server_timing(send: Any) -> Any:
     return wrapper
 
 
-async def send_error(send: Any, err: RouterError) -> None:
-    await send_json(send, err.status_code, err.to_body(), err.headers())
+async def send_error(send: Any, err: RouterError, path: str = "") -> None:
+    """``err`` in the shape of the API at ``path``: Anthropic's for ``/v1/messages``, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        body: dict[str, Any] = anthropic_error_body(err.status_code, err.message)
+    else:
+        body = err.to_body()
+    await send_json(send, err.status_code, body, err.headers())
 
 
 async def send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:

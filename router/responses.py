@@ -279,16 +279,27 @@ class ResponseWriter:
     ) -> AsyncGenerator[bytes, None]:
         envelope = self._envelope(gen, completion_id(_prefix(gen)), now(), d.tier, stream=True)
         choices = self._choices(gen)
+        options = gen.request.stream_options
+        # vLLM's continuous_usage_stats: each chunk carries the usage so far (all choices together).
+        running: dict[int, StepOutput] | None = (
+            {} if options is not None and options.continuous_usage_stats else None
+        )
 
         def event(items: list[dict[str, Any]]) -> bytes:
-            return sse_event({**envelope, "choices": items})
+            if running is None:
+                return sse_event({**envelope, "choices": items})
+            return sse_event({**envelope, "choices": items, "usage": _usage_so_far(running, prompt_hint)})
 
         try:
+            index, out = first
+            if running is not None:
+                running[index] = out
             for c in choices:
                 for item in c.first_items():
                     yield event([item])
-            index, out = first
             while True:
+                if running is not None:
+                    running[index] = out
                 if out.finish_reason == "error":
                     self._count(gen, d, "error")
                     err = RouterError(
@@ -327,6 +338,14 @@ class ResponseWriter:
                 await on_complete(body)
         finally:
             await merged.aclose()  # client gone mid-stream: this aborts the engine requests
+
+
+def _usage_so_far(latest: dict[int, StepOutput], prompt_hint: int) -> dict[str, Any]:
+    """Usage after the latest output of each choice (the counters in a step output are totals)."""
+    outs = list(latest.values())
+    prompt = next((o.num_prompt_tokens for o in outs if o.num_prompt_tokens), prompt_hint)
+    completion = sum(o.num_output_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _prefix(gen: Generation) -> str:

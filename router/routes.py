@@ -195,7 +195,7 @@ async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[An
     return Response(content=info, headers=headers)
 
 
-@get("/healthz", summary="Liveness")
+@get(["/healthz", "/health"], summary="Liveness (``/health`` is vLLM's and guidellm's path)")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 

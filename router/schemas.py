@@ -2,8 +2,8 @@
 
 Unknown-field policy: every field of OpenAI's API reference is declared here and either honoured
 or refused with a 400 naming it (``validate_chat`` / ``validate_completion``). A top-level field
-that is neither OpenAI's nor one of the declared extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``) is refused too, with OpenAI's own message
+that is neither OpenAI's nor one of the declared extensions (``VLLM_EXTENSIONS``) is
+refused too, with OpenAI's own message
 ("Unrecognized request argument supplied: <name>"): a misspelt ``respone_format`` must not return
 a 200 that silently ignores it. Inside ``messages`` unknown keys are ignored, because clients send
 assistant messages back with response-only keys (``annotations``, ``refusal``, ``audio: null``).
@@ -21,6 +21,7 @@ import msgspec
 from router.errors import BadRequestError
 
 __all__ = [
+    "VLLM_EXTENSIONS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -40,6 +41,7 @@ MAX_STOP_LENGTH = 256
 MAX_N = 16
 """Most choices one request may ask for (``n``, ``best_of``): each is a sequence in the batch."""
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
 TEXT_PARTS = ("text", "input_text")
 
 
@@ -71,6 +73,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool = False
+    """vLLM's extension: every chunk carries the usage so far (guidellm sends it)."""
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -104,6 +108,25 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    min_tokens: int | None = None
+
+
+VLLM_EXTENSIONS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "min_tokens",
+    }
+)
+"""Request fields beyond OpenAI's reference, as vLLM's OpenAI server accepts them."""
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -200,6 +223,7 @@ def validate_sampling(req: _SamplingFields) -> None:
         )
     if req.top_k is not None and req.top_k < 0:
         raise BadRequestError("'top_k' must be >= 0.", param="top_k")
+    _validate_vllm(req)
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise BadRequestError("'seed' is out of range.", param="seed")
     for name in ("max_tokens", "max_completion_tokens"):
@@ -213,6 +237,23 @@ def validate_sampling(req: _SamplingFields) -> None:
         raise BadRequestError(
             f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters.", param="stop"
         )
+
+
+def _validate_vllm(req: _SamplingFields) -> None:
+    """vLLM's extensions: honoured (``stop_token_ids``, ``include_stop_str_in_output``), or refused
+    where this engine has no such mode (``min_tokens`` > 0, ``skip_special_tokens: false``)."""
+    ids = req.stop_token_ids or []
+    if len(ids) > MAX_STOP_TOKEN_IDS or any(i < 0 for i in ids):
+        raise BadRequestError(
+            f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids >= 0.", param="stop_token_ids"
+        )
+    if req.min_tokens is not None:
+        if req.min_tokens < 0:
+            raise BadRequestError("'min_tokens' must be >= 0.", param="min_tokens")
+        if req.min_tokens > 0:
+            _refuse("min_tokens", "the sampler has no end-of-sequence mask before a minimum length")
+    if req.skip_special_tokens is False:
+        _refuse("skip_special_tokens", "special tokens are always left out of the text")
 
 
 def _refuse(param: str, why: str) -> None:

@@ -280,7 +280,7 @@ class Engine:
                     _Tracked(
                         seq,
                         handle,
-                        IncrementalDetokenizer(self.tokenizer, p.stop),
+                        IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output),
                         gen,
                         predicted_wait=predicted if seq is leader else None,
                     ),

@@ -53,9 +53,11 @@ class IncrementalDetokenizer:
     returns the stop string itself.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
+        """Keep the stop string that ended the text (vLLM's ``include_stop_str_in_output``)."""
         self.ids: list[int] = []
         self.text = ""  # all decoded text so far (truncated at a stop string once found)
         self.emitted = 0  # chars of self.text already returned
@@ -79,9 +81,10 @@ class IncrementalDetokenizer:
         if self.stop:
             longest = max(len(s) for s in self.stop)
             window_start = max(0, before - longest + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+            hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                start, end = min(hits)
+                self.text = self.text[: end if self.include_stop else start]
                 self.stopped = True
 
     def take(self, final: bool = False) -> str:

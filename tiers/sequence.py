@@ -71,6 +71,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL-style, over prompt and output: positive logits divided by it, negative multiplied."""
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    """vLLM's extension: the stop string that ended the text is kept at its end."""
     min_p: float = 0.0
     """Drop tokens whose probability is below ``min_p`` times the most likely token's (vLLM's extension)."""
     logit_bias: tuple[tuple[int, float], ...] = ()

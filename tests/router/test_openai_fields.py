@@ -13,7 +13,7 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.schemas import VLLM_EXTENSIONS, ChatCompletionRequest, CompletionRequest
 from tests.router.conftest import Server
 
 # field -> the test that shows it honoured ("module::function").
@@ -97,7 +97,7 @@ REFUSED: list[tuple[str, str, Any]] = [
     ("completion", "best_of", 17),
     ("completion", "logprobs", 21),
 ]
-EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos"}
+EXTENSIONS = VLLM_EXTENSIONS  # vLLM's request extensions (tests/router/test_vllm_extensions.py)
 STREAMING = {"stream"}  # declared by the SDK's streaming variant of the params
 
 

@@ -1,0 +1,611 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) at the edge
+of the one pipeline.
+
+A request is translated into the internal request type (``ChatCompletionRequest``) and answered by
+``RouterService.chat`` (classifier, policy, cache, admission, tenancy, traces and metrics
+unchanged); the Chat Completions answer is translated back into a ``message`` object or
+Anthropic's event stream (``message_start``, ``content_block_start/delta/stop``, ``message_delta``
+with ``stop_reason``, ``message_stop``).
+
+- ``system``; ``messages`` with ``text``, ``tool_use`` and ``tool_result`` blocks; ``tools`` (custom
+  tools; ``input_schema`` is the grammar of ``input``) with ``tool_choice`` ``auto``/``any``/
+  ``tool``/``none`` (``disable_parallel_tool_use``); ``output_config.format`` (``json_schema``)
+  through the grammar engine; ``max_tokens``, ``stop_sequences`` (``stop_reason: stop_sequence``
+  names the one that matched), ``temperature``/``top_p``/``top_k``.
+- Errors are Anthropic-shaped, ``{"type": "error", "error": {"type", "message"}}``, with the same
+  statuses as the OpenAI endpoints; ``x-api-key`` is accepted as well as a Bearer token (the same
+  keys and tenants).
+- Fields this server cannot honour (server tools, extended thinking, containers, effort...) are a
+  400 naming them; unknown fields are a 400 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.status_codes import HTTP_200_OK
+
+from router import api_types
+from router.calls import Completion
+from router.errors import BadRequestError, RouterError, UnavailableError, anthropic_error_body
+from router.openai_responses import chat_chunks
+from router.routes import _ERRORS, _context, _respond, _service, error_response
+from router.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
+
+__all__ = ["MESSAGES_ROUTES", "MessagesRequest", "anthropic_error_response", "to_chat"]
+
+
+class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/messages``: the fields of Anthropic's reference (as its SDK declares them), plus
+    ``temperature``/``top_p``/``top_k`` (Anthropic's API has them; its newest SDK sends them as
+    extra body fields)."""
+
+    model: str
+    max_tokens: int
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    service_tier: str | None = None
+    thinking: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    container: Any = None
+    diagnostics: Any = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+class CountTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/messages/count_tokens``: a message request without generation settings."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+def _refuse(param: str, why: str) -> None:
+    raise BadRequestError(
+        f"{param}: not supported by this server: {why}.", param=param, code="unsupported_value"
+    )
+
+
+def _validate(req: MessagesRequest | CountTokensRequest) -> None:
+    if isinstance(req, MessagesRequest):
+        if req.max_tokens < 1:
+            raise BadRequestError("max_tokens: must be at least 1.", param="max_tokens")
+        if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
+            raise BadRequestError("temperature: must be in [0, 1].", param="temperature")
+        if req.container is not None:
+            _refuse("container", "there is no code execution container")
+        if req.diagnostics is not None:
+            _refuse("diagnostics", "no diagnostics are collected")
+        if req.inference_geo not in (None, "global"):
+            _refuse("inference_geo", "the models run where this server runs")
+        if req.service_tier not in (None, "auto", "standard_only"):
+            _refuse("service_tier", "only 'auto' and 'standard_only' exist")
+        stops = req.stop_sequences or []
+        if len(stops) > MAX_STOP_SEQUENCES or any(len(x) > MAX_STOP_LENGTH for x in stops):
+            raise BadRequestError(
+                f"stop_sequences: at most {MAX_STOP_SEQUENCES} sequences of at most "
+                f"{MAX_STOP_LENGTH} characters.",
+                param="stop_sequences",
+            )
+        if req.metadata is not None and set(req.metadata) - {"user_id"}:
+            name = f"metadata.{sorted(set(req.metadata) - {'user_id'})[0]}"
+            raise BadRequestError(f"{name}: Extra inputs are not permitted", param=name)
+    if req.thinking is not None and req.thinking.get("type") != "disabled":
+        _refuse("thinking", "the models are not reasoning models")
+    if req.speed not in (None, "standard"):
+        _refuse("speed", "there is no fast mode")
+    if req.output_config is not None:
+        extra = set(req.output_config) - {"format", "effort"}
+        if extra:
+            name = f"output_config.{sorted(extra)[0]}"
+            raise BadRequestError(f"{name}: Extra inputs are not permitted", param=name)
+        if req.output_config.get("effort") is not None:
+            _refuse("output_config.effort", "the models have no effort control")
+    if not req.messages:
+        raise BadRequestError("messages: at least one message is required.", param="messages")
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise BadRequestError(f"{where}: must be a string or a list of content blocks.", param=where)
+    return content
+
+
+def _text_of(content: Any, where: str) -> str:
+    parts = []
+    for j, block in enumerate(_blocks(content, where)):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            _refuse(f"{where}.{j}.type", f"'{block.get('type')}' blocks here (text blocks are)")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """``system`` + ``messages`` as chat-shaped messages: ``tool_use`` blocks become an assistant's
+    ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text)."""
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        role = message.get("role")
+        where = f"messages.{i}"
+        if role not in ("user", "assistant"):
+            raise BadRequestError(
+                f"{where}.role: must be 'user' or 'assistant', got {role!r}.", param=f"{where}.role"
+            )
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for j, block in enumerate(_blocks(message.get("content"), f"{where}.content")):
+            kind = block.get("type")
+            at = f"{where}.content.{j}"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+                calls.append(
+                    {
+                        "id": str(block.get("id") or ""),
+                        "type": "function",
+                        "function": {"name": str(block.get("name") or ""), "arguments": arguments},
+                    }
+                )
+            elif kind == "tool_result" and role == "user":
+                content = block.get("content")
+                text = "" if content is None else _text_of(content, f"{at}.content")
+                if block.get("is_error"):
+                    text = f"Error: {text}"
+                results.append(
+                    {"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text}
+                )
+            else:
+                _refuse(f"{at}.type", f"'{kind}' blocks in a {role} message (the models read text only)")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        else:
+            out.extend(results)
+            if texts or not results:
+                out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") not in (None, "custom"):
+            _refuse(f"tools.{i}.type", f"'{tool.get('type')}' tools (only custom tools run here)")
+        if "input_schema" not in tool:
+            raise BadRequestError(f"tools.{i}.input_schema: Field required", param=f"tools.{i}.input_schema")
+        fn: dict[str, Any] = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if tool.get("description"):
+            fn["description"] = tool["description"]
+        if tool.get("strict"):
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """``tool_choice`` and ``parallel_tool_calls`` of the internal request."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}, False
+    raise BadRequestError(
+        f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {kind!r}.", param="tool_choice.type"
+    )
+
+
+def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise BadRequestError(
+            "output_config.format: must be {'type': 'json_schema', 'schema': {...}}.",
+            param="output_config.format",
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+_PARAMS = {
+    "messages": "messages",
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
+
+
+def _renamed(param: str | None) -> str | None:
+    if param is None:
+        return None
+    head, sep, rest = param.partition(".")
+    if head == "response_format":
+        return "output_config.format"
+    return _PARAMS.get(head, head) + sep + rest
+
+
+def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
+    choice, parallel = _chat_tool_choice(req.tool_choice)
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": chat_messages(req),
+        "max_completion_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "stop": req.stop_sequences or None,
+        # The stop sequence is kept in the text so that the answer can name it (stripped below).
+        "include_stop_str_in_output": True if req.stop_sequences else None,
+        "tools": _chat_tools(req.tools),
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "response_format": _response_format(req.output_config),
+        "user": (req.metadata or {}).get("user_id"),
+        "stream": bool(req.stream),
+    }
+    if req.stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    try:
+        return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"Invalid request: {exc}", param="messages") from exc
+
+
+# -- answer translation ---------------------------------------------------------------------------
+def _message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def _usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    usage = chat_usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    prompt = usage.get("prompt_tokens", 0)
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "service_tier": "standard",
+    }
+
+
+def _split_stop(text: str, finish: str | None, stops: list[str]) -> tuple[str, str | None]:
+    """The text without the stop sequence that ended it, and that sequence (or None)."""
+    if finish == "stop":
+        for s in sorted(stops, key=len, reverse=True):
+            if s and text.endswith(s):
+                return text[: -len(s)], s
+    return text, None
+
+
+def _stop_reason(finish: str | None, stop_sequence: str | None) -> str:
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(finish or "stop", "end_turn")
+
+
+def _tool_input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments or "{}")
+    except json.JSONDecodeError:  # cut by max_tokens: stop_reason says so
+        return {}
+
+
+def message_body(req: MessagesRequest, chat: dict[str, Any]) -> dict[str, Any]:
+    choice = chat["choices"][0]
+    message = choice["message"]
+    finish = choice.get("finish_reason")
+    text, stop_sequence = _split_stop(message.get("content") or "", finish, req.stop_sequences or [])
+    content: list[dict[str, Any]] = []
+    if text or not message.get("tool_calls"):
+        content.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        content.append(
+            {
+                "type": "tool_use",
+                "id": _tool_use_id(call["id"]),
+                "name": fn["name"],
+                "input": _tool_input(fn["arguments"]),
+            }
+        )
+    return {
+        "id": _message_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": chat["model"],
+        "content": content,
+        "stop_reason": _stop_reason(finish, stop_sequence),
+        "stop_sequence": stop_sequence,
+        "usage": _usage(chat.get("usage")),
+    }
+
+
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's ids look like ``toolu_...``; the chat call id keeps its suffix."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+class MessageEvents:
+    """Chat Completions chunks in, Anthropic's stream events out. Text that could be the start of a
+    stop sequence is held back until it is known not to be one (the sequence is never sent)."""
+
+    def __init__(self, req: MessagesRequest, model: str) -> None:
+        self.stops = [s for s in req.stop_sequences or [] if s]
+        self.model = model
+        self.block = -1
+        self.block_type: str | None = None
+        self.held = ""
+        self.started = False
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> bytes:
+        data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def _start(self) -> list[bytes]:
+        self.started = True
+        usage = _usage(self.usage)
+        usage["output_tokens"] = min(usage["output_tokens"], 1)
+        message: dict[str, Any] = {
+            "id": _message_id(),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        return [self.event("message_start", message=message)]
+
+    def _stop_block(self) -> list[bytes]:
+        if self.block_type is None:
+            return []
+        out = []
+        if self.held:
+            out.append(self._text_delta(self.held))
+            self.held = ""
+        self.block_type = None
+        return [*out, self.event("content_block_stop", index=self.block)]
+
+    def _text_delta(self, text: str) -> bytes:
+        return self.event("content_block_delta", index=self.block, delta={"type": "text_delta", "text": text})
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._stop_block()
+        self.block += 1
+        self.block_type = block["type"]
+        return [*out, self.event("content_block_start", index=self.block, content_block=block)]
+
+    def _partial_stop(self, text: str) -> int:
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _text(self, delta: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.block_type != "text":
+            out += self._open({"type": "text", "text": ""})
+        text = self.held + delta
+        keep = max((len(s) for s in self.stops if text.endswith(s)), default=0) or self._partial_stop(text)
+        send, self.held = text[: len(text) - keep], text[len(text) - keep :]
+        if send:
+            out.append(self._text_delta(send))
+        return out
+
+    def chunk(self, payload: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if payload.get("usage"):
+            self.usage = payload["usage"]
+        if not self.started:
+            out += self._start()
+        for choice in payload.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                if call.get("id"):
+                    block: dict[str, Any] = {
+                        "type": "tool_use",
+                        "id": _tool_use_id(call["id"]),
+                        "name": fn.get("name") or "",
+                        "input": {},
+                    }
+                    out += self._open(block)
+                if fn.get("arguments") and self.block_type == "tool_use":
+                    out.append(
+                        self.event(
+                            "content_block_delta",
+                            index=self.block,
+                            delta={"type": "input_json_delta", "partial_json": fn["arguments"]},
+                        )
+                    )
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> list[bytes]:
+        out = [] if self.started else self._start()
+        stop_sequence = None
+        if self.block_type == "text":
+            kept, stop_sequence = _split_stop(self.held, self.finish, self.stops)
+            self.held = kept
+        if self.block < 0:  # an empty answer is still one (empty) text block
+            out += self._open({"type": "text", "text": ""})
+        out += self._stop_block()
+        usage = _usage(self.usage)
+        delta = {"stop_reason": _stop_reason(self.finish, stop_sequence), "stop_sequence": stop_sequence}
+        out.append(self.event("message_delta", delta=delta, usage=usage))
+        out.append(self.event("message_stop"))
+        return out
+
+    def fail(self, error: Mapping[str, Any]) -> list[bytes]:
+        return [self.event("error", **anthropic_error_body(500, str(error.get("message", ""))))]
+
+
+async def _events(events: MessageEvents, source: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    chunks = chat_chunks(source)
+    try:
+        async for payload in chunks:
+            if "error" in payload and "choices" not in payload:
+                for b in events.fail(payload["error"]):
+                    yield b
+                return
+            for b in events.chunk(payload):
+                yield b
+        for b in events.end():
+            yield b
+    finally:
+        await chunks.aclose()
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def create_message(request: Request[Any, Any, Any], req: MessagesRequest) -> Completion:
+    _validate(req)
+    chat = to_chat(req)
+    try:
+        result = await _service(request).chat(chat, _context(request))
+    except RouterError as exc:
+        exc.param = _renamed(exc.param)
+        raise
+    if result.stream is not None:
+        events = MessageEvents(req, result.headers.get("x-router-tier", req.model))
+        return Completion(result.headers, stream=_events(events, result.stream))
+    assert result.body is not None
+    return Completion(result.headers, body=message_body(req, result.body))
+
+
+def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> int:
+    """Prompt tokens of the request as the first local tier's chat template renders it (tools
+    included, as generation renders them)."""
+    from router.structured import chat_messages as rendered
+    from router.structured import output_spec
+
+    _validate(req)
+    tiers = _service(request).tiers
+    tokenizer = tiers.counting_tokenizer() if tiers is not None and tiers.ready else None
+    if tokenizer is None:
+        raise UnavailableError("Models are still loading.", code="not_ready", retry_after=5.0)
+    choice, parallel = _chat_tool_choice(req.tool_choice)
+    body = {
+        "model": req.model,
+        "messages": chat_messages(req),
+        "tools": _chat_tools(req.tools),
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "response_format": _response_format(req.output_config),
+    }
+    chat = msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    messages = rendered(chat, output_spec(chat))
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return len(out["input_ids"] if isinstance(out, Mapping) else out)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return len(tokenizer.encode(text))
+
+
+# -- errors ---------------------------------------------------------------------------------------
+def anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Any error on the Messages routes in Anthropic's shape (the status and headers are those the
+    OpenAI routes give: ``router.routes.error_response`` decides them)."""
+    openai_shaped = error_response(request, exc)
+    error = openai_shaped.content["error"]
+    status = openai_shaped.status_code or 500
+    message = error["message"]
+    param = error.get("param")
+    if param and not message.startswith(param + ":"):  # Anthropic's messages start with the field
+        message = f"{param}: {message}"
+    body = anthropic_error_body(status, message)
+    return Response(content=body, status_code=status, headers=dict(openai_shaped.headers))
+
+
+# -- routes ---------------------------------------------------------------------------------------
+_ANTHROPIC_ERRORS = {
+    status: ResponseSpec(api_types.AnthropicError, description=spec.description)
+    for status, spec in _ERRORS.items()
+}
+
+
+@post(
+    "/v1/messages",
+    status_code=HTTP_200_OK,
+    summary="Create a message (Anthropic Messages API), routed like a chat completion",
+    responses={
+        200: ResponseSpec(api_types.AnthropicMessage, description="The message, or an SSE stream of events"),
+        **_ANTHROPIC_ERRORS,
+    },
+    exception_handlers={Exception: anthropic_error_response},
+)
+async def messages(request: Request[Any, Any, Any], data: MessagesRequest) -> Response[Any]:
+    return await _respond(request, asyncio.create_task(create_message(request, data)))
+
+
+@post(
+    "/v1/messages/count_tokens",
+    status_code=HTTP_200_OK,
+    summary="Count a message request's input tokens (Anthropic Messages API)",
+    responses={200: ResponseSpec(api_types.AnthropicTokenCount), **_ANTHROPIC_ERRORS},
+    exception_handlers={Exception: anthropic_error_response},
+)
+async def messages_count_tokens(request: Request[Any, Any, Any], data: CountTokensRequest) -> Response[Any]:
+    return Response(content={"input_tokens": count_tokens(request, data)}, status_code=HTTP_200_OK)
+
+
+MESSAGES_ROUTES = [messages, messages_count_tokens]

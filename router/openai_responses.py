@@ -1,0 +1,770 @@
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``) at the
+edge of the one pipeline.
+
+A request is translated into the internal request type (``ChatCompletionRequest``) and answered by
+``RouterService.chat``, so the classifier, the policy, the cache, admission, tenancy, traces and
+metrics apply unchanged; the Chat Completions answer (one body, or its SSE chunks) is translated
+back into a ``response`` object or the Responses API's typed event stream.
+
+- ``input``: a string, or items: messages (``input_text``/``output_text`` parts), ``function_call``
+  and ``function_call_output``; ``instructions`` is the system message of this turn only.
+- ``tools`` (function tools) and ``tool_choice``; ``text.format`` (``json_schema``,
+  ``json_object``) through the grammar engine; ``max_output_tokens``, ``temperature``, ``top_p``.
+- ``store`` (default true) keeps the response and its conversation in memory, per caller partition
+  (tenant, else API key), at most ``MAX_STORED`` responses for ``STORE_TTL_S``:
+  ``previous_response_id`` continues one, ``GET``/``DELETE`` read or forget it. Another tenant's id
+  is a 404, as an unknown one is.
+- Fields this server cannot honour (built-in tools, background mode, reasoning, conversations,
+  prompt templates...) are a 400 that names them; unknown fields are a 400 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.status_codes import HTTP_200_OK
+
+from router import api_types
+from router.calls import Completion
+from router.errors import BadRequestError, ModelNotFoundError, RouterError
+from router.routes import _ERRORS, _context, _respond, _service
+from router.schemas import ChatCompletionRequest
+
+__all__ = ["MAX_STORED", "RESPONSES_ROUTES", "STORE_TTL_S", "ResponseStore", "ResponsesRequest"]
+
+MAX_STORED = 4096
+"""Stored responses kept (all partitions together); the least recently used go first."""
+STORE_TTL_S = 3600.0
+"""A stored response is forgotten this long after it was created."""
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/responses``: every field of OpenAI's reference (as its SDK declares them)."""
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    background: bool | None = None
+    background_options: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    prompt: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    access_programs: Any = None
+
+
+def _refuse(param: str, why: str) -> None:
+    raise BadRequestError(
+        f"'{param}' is not supported by this server: {why}.", param=param, code="unsupported_value"
+    )
+
+
+def _validate(req: ResponsesRequest) -> None:
+    """Every field this server cannot honour is a 400 that names it."""
+    if req.background:
+        _refuse("background", "responses are answered in the request (no background mode)")
+    for name, why in (
+        ("background_options", "there is no background mode"),
+        ("conversation", "conversations are not stored; use 'previous_response_id'"),
+        ("context_management", "there is no context compaction"),
+        ("prompt", "there are no stored prompt templates"),
+        ("moderation", "there is no moderation model"),
+        ("image", "the models answer in text only"),
+        ("access_programs", "there are no access programs"),
+        ("max_tool_calls", "the number of tool calls is not capped"),
+        ("top_logprobs", "token logprobs are served on /v1/chat/completions"),
+    ):
+        if getattr(req, name) is not None:
+            _refuse(name, why)
+    if req.include:
+        _refuse("include", f"no extra output data is produced ({req.include[0]!r})")
+    if req.reasoning is not None and req.reasoning.get("effort") not in (None, "none"):
+        _refuse("reasoning", "the models are not reasoning models")
+    if req.truncation not in (None, "disabled"):
+        _refuse("truncation", "the input is never truncated (a too long input is a 400)")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise BadRequestError(
+                "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+            )
+        unknown = set(req.stream_options) - {"include_obfuscation"}
+        if unknown:
+            name = f"stream_options.{sorted(unknown)[0]}"
+            raise BadRequestError(f"Unrecognized request argument supplied: {name}", param=name)
+        if req.stream_options.get("include_obfuscation"):
+            _refuse("stream_options.include_obfuscation", "events are sent without padding")
+    if req.input is None and req.previous_response_id is None:
+        raise BadRequestError("'input' is required.", param="input")
+
+
+# -- the store ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Stored:
+    partition: str
+    expires: float
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    """The chat-shaped messages up to and including this response's output (no instructions)."""
+
+
+class ResponseStore:
+    """Stored responses by id, per caller partition, bounded (LRU) and with a TTL."""
+
+    def __init__(self, max_entries: int = MAX_STORED, ttl_s: float = STORE_TTL_S) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, partition: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = Stored(partition, time.monotonic() + self.ttl_s, response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+
+    def get(self, partition: str, response_id: str) -> Stored | None:
+        """The stored response, or None when unknown, expired, or another partition's."""
+        item = self._items.get(response_id)
+        if item is None or item.partition != partition:
+            return None
+        if item.expires <= time.monotonic():
+            del self._items[response_id]
+            return None
+        self._items.move_to_end(response_id)
+        return item
+
+    def delete(self, partition: str, response_id: str) -> bool:
+        if self.get(partition, response_id) is None:
+            return False
+        del self._items[response_id]
+        return True
+
+
+def _store(request: Request[Any, Any, Any]) -> ResponseStore:
+    state = request.app.state
+    store = state.get("response_store")
+    if store is None:
+        store = state["response_store"] = ResponseStore()
+    return store
+
+
+def _partition(request: Request[Any, Any, Any]) -> str:
+    """Whose stored responses a caller sees: its tenant, else its API key's fingerprint."""
+    ctx = _context(request)
+    if ctx.tenant is not None:
+        return "t:" + ctx.tenant
+    return "k:" + ctx.principal if ctx.principal is not None else "-"
+
+
+def _not_found(response_id: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"No response found with id '{response_id[:100]}'.", param="response_id", code="not_found"
+    )
+
+
+# -- request translation --------------------------------------------------------------------------
+def _part_text(content: Any, where: str) -> str:
+    """A message's content (a string or parts) as text; non-text parts are a 400 naming them."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequestError(f"'{where}' must be a string or a list of parts.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal":
+            continue
+        else:
+            _refuse(f"{where}[{j}].type", f"'{kind}' parts (the models read text only)")
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Responses ``input`` as chat-shaped messages (tool calls and results included)."""
+    if items is None:
+        return []
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise BadRequestError(
+                    f"'{where}.role' must be 'user', 'assistant', 'system' or 'developer', got {role!r}.",
+                    param=f"{where}.role",
+                )
+            out.append({"role": role, "content": _part_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            name, call = item.get("name"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(call, str):
+                raise BadRequestError(
+                    f"'{where}' needs 'name' and 'call_id' strings.", param=f"{where}.call_id"
+                )
+            arguments = item.get("arguments", "{}")
+            fn = {
+                "name": name,
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+            }
+            tool_call = {"id": call, "type": "function", "function": fn}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(tool_call)
+            elif last is not None and last["role"] == "assistant":
+                last["tool_calls"] = [tool_call]
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+        elif kind == "function_call_output":
+            call = item.get("call_id")
+            if not isinstance(call, str):
+                raise BadRequestError(f"'{where}.call_id' is required.", param=f"{where}.call_id")
+            output = item.get("output")
+            text = output if isinstance(output, str) else _part_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call, "content": text})
+        else:
+            _refuse(f"{where}.type", f"'{kind}' items (messages, function calls and their outputs are)")
+    return out
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            _refuse(f"tools[{i}].type", f"'{kind}' tools (only function tools run here)")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    _refuse("tool_choice", f"'{choice.get('type')}' choices (built-in tools do not exist here)")
+    return None
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    if set(text) - {"format", "verbosity"}:
+        name = f"text.{sorted(set(text) - {'format', 'verbosity'})[0]}"
+        raise BadRequestError(f"Unrecognized request argument supplied: {name}", param=name)
+    if text.get("verbosity") not in (None, "medium"):
+        _refuse("text.verbosity", "the models have no verbosity control")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise BadRequestError("'text.format' must be an object.", param="text.format")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+        if "name" not in schema:
+            raise BadRequestError("'text.format.name' is required.", param="text.format.name")
+        return {"type": "json_schema", "json_schema": schema}
+    raise BadRequestError(
+        f"'text.format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+        param="text.format.type",
+    )
+
+
+_PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "stream_options": "stream_options",
+}
+
+
+def _renamed(param: str | None) -> str | None:
+    """A chat field named in an error, as the Responses API calls it."""
+    if param is None:
+        return None
+    head, sep, rest = param.partition(".")
+    if head == "response_format":
+        rest = rest.removeprefix("json_schema.").removeprefix("json_schema")
+        return "text.format" + ("." + rest if rest else "")
+    return _PARAMS.get(head, head) + sep + rest
+
+
+def to_chat(
+    req: ResponsesRequest, history: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+    """The internal request, and the conversation it continues plus its new input (to store)."""
+    conversation = [*history, *input_messages(req.input)]
+    if not conversation:
+        raise BadRequestError("'input' must contain at least one item.", param="input")
+    messages = conversation
+    if req.instructions:
+        messages = [{"role": "system", "content": req.instructions}, *conversation]
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": _chat_tools(req.tools),
+        "tool_choice": _chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req.text),
+        "user": req.user,
+        "safety_identifier": req.safety_identifier,
+        "metadata": req.metadata,
+        "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_options": req.prompt_cache_options,
+        "prompt_cache_retention": req.prompt_cache_retention,
+        "service_tier": req.service_tier,
+        "stream": bool(req.stream),
+    }
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    try:
+        chat = msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"Invalid request: {exc}", param=_renamed(_path_of(exc))) from exc
+    return chat, conversation
+
+
+def _path_of(exc: msgspec.ValidationError) -> str | None:
+    text = str(exc)
+    marker = "at `$."
+    if marker not in text:
+        return None
+    return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0]
+
+
+# -- answer translation ---------------------------------------------------------------------------
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not chat_usage:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _envelope(req: ResponsesRequest, rid: str, created: int, model: str) -> dict[str, Any]:
+    """The response object's request-echo fields (what OpenAI returns with every response)."""
+    text = req.text if req.text and req.text.get("format") else {"format": {"type": "text"}}
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": req.store is not False,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "text": text,
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "truncation": "disabled",
+        "usage": None,
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+def _finish(body: dict[str, Any], finish_reason: str | None, usage: dict[str, Any] | None) -> None:
+    if finish_reason == "length":
+        body["status"] = "incomplete"
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        body["status"] = "completed"
+    body["usage"] = _usage(usage)
+
+
+def _assistant_turn(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a later turn continues from."""
+    text = "".join(
+        p["text"] for item in output if item["type"] == "message" for p in item["content"] if "text" in p
+    )
+    calls = [
+        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        for i in output
+        if i["type"] == "function_call"
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def response_body(req: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
+    """A Chat Completions body as a ``response`` object."""
+    created = int(chat.get("created") or time.time())
+    body = _envelope(req, _item_id("resp"), created, chat["model"])
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output: list[dict[str, Any]] = []
+    if message.get("content") or not message.get("tool_calls"):
+        output.append(_message_item(_item_id("msg"), message.get("content") or ""))
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        output.append(_call_item(_item_id("fc"), call["id"], fn["name"], fn["arguments"]))
+    body["output"] = output
+    _finish(body, choice.get("finish_reason"), chat.get("usage"))
+    return body
+
+
+def chat_chunks(stream: AsyncIterator[bytes]) -> AsyncGenerator[dict[str, Any], None]:
+    """The JSON payloads of a Chat Completions SSE stream (``[DONE]`` ends it)."""
+
+    async def parse() -> AsyncGenerator[dict[str, Any], None]:
+        buffer = b""
+        async for data in stream:
+            buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data: "):
+                        payload = line[6:].strip()
+                        if payload == b"[DONE]":
+                            return
+                        yield json.loads(payload)
+
+    return parse()
+
+
+class ResponsesEvents:
+    """Chat Completions chunks in, the Responses API's typed events out (``sequence_number`` in
+    order): ``response.created``, ``response.in_progress``, per item ``output_item.added`` ->
+    deltas -> ``...done``, then ``response.completed`` (or ``response.incomplete`` at
+    ``max_output_tokens``, ``response.failed`` on an error)."""
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.body = _envelope(req, _item_id("resp"), int(time.time()), model)
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        """The item being streamed (its ``output_index`` is ``len(self.output)``)."""
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def start(self) -> list[bytes]:
+        return [
+            self.event("response.created", response=dict(self.body)),
+            self.event("response.in_progress", response=dict(self.body)),
+        ]
+
+    def _close(self) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        item["status"] = "completed"
+        self.output.append(item)
+        if item["type"] == "message":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [
+                self.event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **where, part=part),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
+        return [
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _text(self, delta: str) -> list[bytes]:
+        out: list[bytes] = []
+        index = len(self.output)
+        if self.open is None or self.open["type"] != "message":
+            out += self._close()
+            index = len(self.output)
+            self.open = _message_item(_item_id("msg"), "", "in_progress")
+            added = dict(self.open, content=[])
+            out.append(self.event("response.output_item.added", output_index=index, item=added))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self.open["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+        self.open["content"][0]["text"] += delta
+        out.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.open["id"],
+                output_index=index,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
+        return out
+
+    def _call(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        fn = delta.get("function") or {}
+        if delta.get("id"):  # a new call starts
+            out += self._close()
+            self.open = _call_item(_item_id("fc"), delta["id"], fn.get("name") or "", "", "in_progress")
+            added = dict(self.open)
+            out.append(self.event("response.output_item.added", output_index=len(self.output), item=added))
+        if self.open is None or self.open["type"] != "function_call":
+            return out
+        fragment = fn.get("arguments") or ""
+        if fragment:
+            self.open["arguments"] += fragment
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open["id"],
+                    output_index=len(self.output),
+                    delta=fragment,
+                )
+            )
+        return out
+
+    def chunk(self, payload: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if payload.get("usage"):
+            self.usage = payload["usage"]
+        for choice in payload.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                out += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def finish(self) -> list[bytes]:
+        # An empty answer is still one (empty) message, as in the non-streamed body.
+        out = self._text("") if not self.output and self.open is None else []
+        out += self._close()
+        body = self.body
+        body["output"] = self.output
+        _finish(body, self.finish_reason, self.usage)
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        out.append(self.event(kind, response=body))
+        return out
+
+    def fail(self, error: dict[str, Any]) -> list[bytes]:
+        self.body["status"] = "failed"
+        self.body["output"] = self.output
+        self.body["error"] = {
+            "code": error.get("code") or "server_error",
+            "message": error.get("message", ""),
+        }
+        return [
+            self.event(
+                "error", code=error.get("code"), message=error.get("message", ""), param=error.get("param")
+            ),
+            self.event("response.failed", response=self.body),
+        ]
+
+
+async def _events(
+    events: ResponsesEvents,
+    source: AsyncIterator[bytes],
+    on_done: Any,
+) -> AsyncGenerator[bytes, None]:
+    chunks = chat_chunks(source)
+    try:
+        for b in events.start():
+            yield b
+        async for payload in chunks:
+            if "error" in payload and "choices" not in payload:
+                for b in events.fail(payload["error"]):
+                    yield b
+                return
+            for b in events.chunk(payload):
+                yield b
+        for b in events.finish():
+            yield b
+        on_done(events.body)
+    finally:
+        await chunks.aclose()
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def create_response(
+    request: Request[Any, Any, Any], req: ResponsesRequest, store: ResponseStore
+) -> Completion:
+    """Translate, answer through ``RouterService.chat``, translate back (and store)."""
+    _validate(req)
+    partition = _partition(request)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        prior = store.get(partition, req.previous_response_id)
+        if prior is None:
+            err = _not_found(req.previous_response_id)
+            err.param = "previous_response_id"
+            raise err
+        history = prior.conversation
+    chat, conversation = to_chat(req, history)
+    try:
+        result = await _service(request).chat(chat, _context(request))
+    except RouterError as exc:
+        exc.param = _renamed(exc.param)
+        raise
+
+    def remember(body: dict[str, Any]) -> None:
+        if req.store is not False:
+            store.put(partition, body, [*conversation, *_assistant_turn(body["output"])])
+
+    if result.stream is not None:
+        events = ResponsesEvents(req, result.headers.get("x-router-tier", req.model))
+        return Completion(result.headers, stream=_events(events, result.stream, remember))
+    assert result.body is not None
+    body = response_body(req, result.body)
+    remember(body)
+    return Completion(result.headers, body=body)
+
+
+# -- routes ---------------------------------------------------------------------------------------
+@post(
+    "/v1/responses",
+    status_code=HTTP_200_OK,
+    summary="Create a model response (OpenAI Responses API), routed like a chat completion",
+    responses={
+        200: ResponseSpec(
+            api_types.ResponseObject, description="The response, or an SSE stream of typed events"
+        ),
+        **_ERRORS,
+    },
+)
+async def create(request: Request[Any, Any, Any], data: ResponsesRequest) -> Response[Any]:
+    work = asyncio.create_task(create_response(request, data, _store(request)))
+    return await _respond(request, work)
+
+
+@get(
+    "/v1/responses/{response_id:str}",
+    summary="Retrieve a stored response",
+    responses={200: ResponseSpec(api_types.ResponseObject), 404: _ERRORS[404]},
+)
+async def retrieve(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    item = _store(request).get(_partition(request), response_id)
+    if item is None:
+        raise _not_found(response_id)
+    return Response(content=item.response, status_code=HTTP_200_OK)
+
+
+@delete(
+    "/v1/responses/{response_id:str}",
+    status_code=HTTP_200_OK,
+    summary="Delete a stored response",
+    responses={200: ResponseSpec(api_types.DeletedResponse), 404: _ERRORS[404]},
+)
+async def remove(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    if not _store(request).delete(_partition(request), response_id):
+        raise _not_found(response_id)
+    body = {"id": response_id, "object": "response", "deleted": True}
+    return Response(content=body, status_code=HTTP_200_OK)
+
+
+RESPONSES_ROUTES = [create, retrieve, remove]
