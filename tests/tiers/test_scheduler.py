@@ -435,3 +435,29 @@ def test_a_deferred_step_admits_the_protected_caller_even_when_another_runs_fewe
     batch = sched.schedule(defer_unprotected_prompts=True)
     assert batch is not None and batch.admitted == [light]
     assert all(s in sched.waiting for s in flood)
+
+
+def test_more_callers_than_slots_never_preempt_each_other_at_their_share() -> None:
+    """Three callers, two slots: the share is one slot each, and a caller holding one is at its
+    share, not over it. Catches the fairness preemption firing at the share (``held < share``):
+    the waiting caller preempted a running one, which then preempted back, step after step, and
+    no sequence kept its KV long enough to finish."""
+    sched = make(max_num_seqs=2)
+    a, b, c = (queue(sched, caller, 2, start=100 * i + 1) for i, caller in enumerate("abc"))
+    first = sched.schedule()
+    assert first is not None and first.admitted == [a[0], b[0]]
+    run(sched, first)
+    for _ in range(6):
+        batch = sched.schedule()
+        assert batch is not None and not batch.preempted
+        assert batch.seqs == [a[0], b[0]] and batch.num_new_tokens == [1, 1]
+        run(sched, batch)
+    assert sched.num_preemptions == 0 and c[0] in sched.waiting
+    # A slot that frees goes to a caller running none (a's next, first in the queue), never to b;
+    # and c, still waiting, does not take a slot from anyone at their share.
+    sched.finish(a[0], SequenceStatus.FINISHED_STOPPED, "stop")
+    for _ in range(3):
+        batch = sched.schedule()
+        assert batch is not None and not batch.preempted
+        run(sched, batch)
+    assert sched.running == [b[0], a[1]] and sched.num_preemptions == 0
