@@ -88,6 +88,80 @@ def test_accept_batch_preserves_the_target_distribution() -> None:
     assert chisquare(observed, (q[0] * n).tolist()).pvalue > 1e-3, observed
 
 
+# A Markov-chain "model" over 4 tokens: the target prefers repeating its last token, the draft
+# prefers the next one, so drafts are rejected often and at every position of a round.
+TARGET_CHAIN = torch.tensor(
+    [[0.55, 0.15, 0.15, 0.15], [0.15, 0.55, 0.15, 0.15], [0.15, 0.15, 0.55, 0.15], [0.15, 0.15, 0.15, 0.55]]
+)
+DRAFT_CHAIN = torch.tensor(
+    [[0.05, 0.8, 0.1, 0.05], [0.05, 0.05, 0.8, 0.1], [0.1, 0.05, 0.05, 0.8], [0.8, 0.1, 0.05, 0.05]]
+)
+
+
+def _speculate_chains(rows: int, length: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """``rows`` sequences of ``length`` tokens from token 0, each round drafting ``k`` tokens from
+    DRAFT_CHAIN and verifying them against TARGET_CHAIN with ``accept_batch``. Returns the tokens
+    and, per draft position, how often a round's first rejection fell there."""
+    out = torch.full((rows, length + k + 1), -1)
+    done = torch.zeros(rows, dtype=torch.long)
+    last = torch.zeros(rows, dtype=torch.long)
+    rejected_at = [0] * k
+    r = torch.arange(rows)
+    while bool((done < length).any()):
+        prev, drafts, draft_probs = last, [], []
+        for _ in range(k):
+            p = DRAFT_CHAIN[prev]
+            prev = torch.multinomial(p, 1, generator=gen)[:, 0]
+            drafts.append(prev)
+            draft_probs.append(p)
+        x = torch.stack(drafts, 1)
+        target = torch.stack([TARGET_CHAIN[last]] + [TARGET_CHAIN[x[:, j]] for j in range(k)], 1)
+        num, dist = accept_batch(
+            x,
+            torch.full((rows,), k),
+            torch.stack(draft_probs, 1),
+            target,
+            torch.rand((rows, k), generator=gen),
+        )
+        nxt = torch.multinomial(dist, 1, generator=gen)[:, 0]
+        emitted = torch.cat([x, torch.zeros(rows, 1, dtype=torch.long)], 1)
+        emitted[r, num] = nxt
+        for j in range(k + 1):
+            write = (j <= num) & (done + j < out.shape[1])
+            out[r[write], (done + j)[write]] = emitted[r[write], j]
+        active = done < length
+        for j in range(k):
+            rejected_at[j] += int(((num == j) & active).sum())
+        done += num + 1
+        last = nxt
+    return out[:, :length], rejected_at
+
+
+def test_accept_batch_keeps_the_targets_law_at_every_position() -> None:
+    """Speculation with k = 3 and a draft that disagrees at every position: each emitted
+    position's token, and the joint law of the first three, follow the target chain's exact law
+    (powers of its matrix). Catches a residual taken at the wrong position (always position 0's
+    draft law, say): the first emitted token - all the single-token test sees - stays right, but
+    the token after a rejection at position 1 or 2 does not."""
+    from scipy.stats import chisquare
+
+    gen = torch.Generator().manual_seed(5)
+    n, length, k = 20000, 6, 3
+    tokens, rejected_at = _speculate_chains(n, length, k, gen)
+    assert min(rejected_at) > n // 10, rejected_at  # rejections at every draft position
+    law = torch.nn.functional.one_hot(torch.tensor(0), 4).double()
+    chain = TARGET_CHAIN.double() / TARGET_CHAIN.double().sum(-1, keepdim=True)
+    for t in range(length):
+        law = law @ chain
+        observed = torch.bincount(tokens[:, t], minlength=4).tolist()
+        assert chisquare(observed, (law / law.sum() * n).tolist()).pvalue > 1e-3, (t, observed)
+    # The joint law of positions 0..2 (64 cells): catches errors that keep every marginal.
+    joint = chain[0][:, None, None] * chain[:, :, None] * chain[None, :, :]
+    cells = tokens[:, 0] * 16 + tokens[:, 1] * 4 + tokens[:, 2]
+    observed = torch.bincount(cells, minlength=64).tolist()
+    assert chisquare(observed, (joint.flatten() / joint.sum() * n).tolist()).pvalue > 1e-3
+
+
 def test_accept_batch_greedy_case_is_argmax_agreement() -> None:
     one_hot = lambda i: torch.nn.functional.one_hot(torch.tensor(i), 5).float()  # noqa: E731
     q = torch.stack([torch.stack([one_hot(2), one_hot(3), one_hot(1)])] * 2)
