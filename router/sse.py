@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from router.schemas import completion_id, now
 
-__all__ = ["SSEStream", "chunk", "completion_body", "object_name", "replay", "sse_event"]
+__all__ = ["DONE", "SSEStream", "chunk", "completion_body", "object_name", "replay", "sse_event"]
+
+log = logging.getLogger(__name__)
 
 
 def object_name(kind: str, *, chunk: bool) -> str:
@@ -79,29 +82,82 @@ async def replay(kind: str, body: dict[str, Any], include_usage: bool) -> AsyncI
     yield b"data: [DONE]\n\n"
 
 
+DONE = b"data: [DONE]\n\n"
+_ERROR_PREFIX = b'data: {"error"'
+
+
 class SSEStream:
-    """An SSE body whose end is accounted exactly once, however the response ends.
+    """An SSE body whose end is accounted exactly once, however the response ends, and whose
+    last event is always ``[DONE]``.
 
     The HTTP layer may drop a response before iterating it (the client left while the first token
     was being produced); an async generator that never started runs no ``finally``, so the
     in-flight count would leak. ``on_close`` runs on exhaustion, on ``aclose()``, or at the latest
     when the object is collected. (The engine request itself is aborted by the source generator's
     own cleanup, which asyncio runs for started generators that are dropped.)
+
+    Once the first byte is out the status is 200 for good, so every failure after it must be told
+    in the stream: a body that raises gets an OpenAI error event, and one that ends without
+    ``[DONE]`` (an engine abort, an error event it wrote itself) gets the missing error event and
+    ``[DONE]``, so a client never mistakes a cut answer for a whole one, nor waits for more.
     """
 
     def __init__(self, body: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
         self._body = body
         self._on_close: Callable[[], None] | None = on_close
+        self._tail: list[bytes] = []
+        self._ended = False
+        self._done = False
+        self._errored = False
 
     def __aiter__(self) -> SSEStream:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._tail:
+            return self._tail.pop(0)
+        if self._ended:
+            raise StopAsyncIteration
         try:
-            return await anext(self._body)
-        except BaseException:
+            data = await anext(self._body)
+        except StopAsyncIteration:
+            await self.aclose()
+            self._end(None)
+            if not self._tail:
+                raise
+            return self._tail.pop(0)
+        except Exception as exc:
+            await self.aclose()
+            self._end(exc)
+            return self._tail.pop(0)
+        except BaseException:  # cancelled, or closed by the server: nobody is reading any more
             await self.aclose()
             raise
+        if data == DONE:
+            self._done = True
+        elif data.startswith(_ERROR_PREFIX):
+            self._errored = True
+        return data
+
+    def _end(self, exc: Exception | None) -> None:
+        """Queue what the stream still owes its client: an error event unless one was sent, then
+        ``[DONE]`` unless it was."""
+        from router.errors import RouterError, UnavailableError
+
+        self._ended = True
+        if self._done:
+            return
+        if not self._errored:
+            if isinstance(exc, RouterError):
+                err: RouterError = exc
+            elif exc is not None:
+                log.error("stream failed after its first byte", exc_info=exc)
+                err = RouterError("The answer failed mid-stream.", code="stream_error")
+            else:
+                err = UnavailableError("The answer was cut short: generation was aborted.", code="aborted")
+            self._tail.append(sse_event(err.to_body()))
+        self._tail.append(DONE)
+        self._done = True
 
     def _close_sync(self) -> None:
         on_close, self._on_close = self._on_close, None
