@@ -13,8 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
+import numpy as np
 import pytest
 
+import router.cache
+from router.cache import MemoryStore, RedisStore, ResponseCache
+from router.calls import CallContext, Generation
+from router.policy.decide import Decision
+from router.policy.loader import parse_policy
+from router.policy.schema import CacheConfig, SemanticCacheConfig
+from router.schemas import ChatCompletionRequest
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, free_port, start_server
 
@@ -301,3 +310,168 @@ def test_a_paused_redis_costs_at_most_its_timeout(redis_server: Server, redis_ur
         assert metric(redis_server.url, "router_cache_errors_total") >= 1
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+# -- the cache itself, without a server: expiry and semantic scope ------------------------------------
+
+
+class FakeClock:
+    """Stands in for the ``time`` module inside router/cache.py: expiry without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(router.cache, "time", fake)
+    return fake
+
+
+class WordEmbedder:
+    """A bag-of-words embedding (crc32 buckets, unit norm): equal texts are similarity 1, texts
+    sharing most words are close, unrelated ones far - what the semantic path needs, without a model."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sees_whole(self, text: str) -> bool:
+        return len(text) < 500
+
+    def embed(self, text: str) -> np.ndarray:
+        import zlib
+
+        self.calls += 1
+        v = np.zeros(256, dtype=np.float32)
+        for word in text.lower().replace("?", " ").split():
+            v[zlib.crc32(word.encode()) % 256] += 1.0
+        return v / np.linalg.norm(v)
+
+
+POLICY = parse_policy("tiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n")
+DECISION = Decision("small", "d", "rule d", 0.25)
+
+
+def chat_gen(messages: list[dict[str, str]]) -> Generation:
+    req = msgspec.convert({"model": "auto", "messages": messages, "temperature": 0}, ChatCompletionRequest)
+    return Generation("chat", req, messages, None, False, False, last_user=messages[-1]["content"])
+
+
+def answer(text: str) -> dict[str, object]:
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+
+
+def semantic_cache(ttl_s: float = 60.0) -> tuple[ResponseCache, WordEmbedder]:
+    embedder = WordEmbedder()
+    cfg = CacheConfig(ttl_s=ttl_s, semantic=SemanticCacheConfig(enabled=True, threshold=0.8))
+    return ResponseCache(cfg, MemoryStore(100), embedder), embedder  # type: ignore[arg-type]
+
+
+def conversation(place: str, question: str) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": f"I am planning a week in {place}."},
+        {"role": "assistant", "content": f"{place} is lovely; what would you like to know?"},
+        {"role": "user", "content": question},
+    ]
+
+
+async def test_semantic_scope_covers_the_earlier_turns() -> None:
+    """Two conversations of one tenant that end in the same question are different questions.
+    Catches a semantic scope built without the earlier turns: the Rome answer served for Oslo."""
+    cache, embedder = semantic_cache()
+    ctx = CallContext({}, tenant="acme")
+    rome = cache.key(chat_gen(conversation("Rome", "What should I pack for the trip?")), ctx, "small", POLICY)
+    assert rome is not None and rome.scope is not None
+    await cache.store(rome, answer("Sandals."), DECISION)
+    oslo = cache.key(chat_gen(conversation("Oslo", "What should I pack for the trip?")), ctx, "small", POLICY)
+    assert oslo is not None and oslo.scope != rome.scope
+    assert await cache.lookup(oslo) is None
+    # The same conversation, its last question reworded: a semantic hit (the path really ran).
+    calls = embedder.calls
+    reworded = conversation("Rome", "What should I pack for this trip?")
+    hit = await cache.lookup(cache.key(chat_gen(reworded), ctx, "small", POLICY))  # type: ignore[arg-type]
+    assert hit is not None and hit.kind == "semantic" and 0.8 <= hit.similarity < 1.0
+    assert hit.body == answer("Sandals.") and embedder.calls == calls + 1
+    # ...but never another tenant's, with the very same conversation.
+    other = cache.key(chat_gen(reworded), CallContext({}, tenant="globex"), "small", POLICY)
+    assert other is not None and await cache.lookup(other) is None
+
+
+async def test_memory_store_entries_expire_at_their_ttl(clock: FakeClock) -> None:
+    """Catches a memory store that never expires entries (an answer served long past ttl_s)."""
+    store = MemoryStore(10)
+    await store.set("a", {"v": 1}, ttl_s=30.0)
+    clock.now += 29.9
+    assert await store.get("a") == {"v": 1}
+    clock.now += 0.2
+    assert await store.get("a") is None
+    assert len(store) == 0  # dropped, not just hidden
+    await store.set("b", {"v": 2}, ttl_s=5.0)
+    await store.set("b", {"v": 3}, ttl_s=50.0)  # a new value restarts the clock
+    clock.now += 10.0
+    assert await store.get("b") == {"v": 3}
+
+
+async def test_memory_store_is_bounded_least_recently_used_first(clock: FakeClock) -> None:
+    store = MemoryStore(2)
+    await store.set("a", {"v": 1}, 60.0)
+    await store.set("b", {"v": 2}, 60.0)
+    assert await store.get("a") == {"v": 1}  # a is now the most recent
+    await store.set("c", {"v": 3}, 60.0)
+    assert await store.get("b") is None and await store.get("a") == {"v": 1} and len(store) == 2
+
+
+async def test_exact_and_semantic_entries_expire_with_the_ttl(clock: FakeClock) -> None:
+    cache, _ = semantic_cache(ttl_s=60.0)
+    ctx = CallContext({}, tenant="acme")
+    key = cache.key(
+        chat_gen(conversation("Rome", "Where should I eat dinner near the old town tonight?")),
+        ctx,
+        "small",
+        POLICY,
+    )
+    assert key is not None
+    await cache.store(key, answer("Trastevere."), DECISION)
+    reworded = cache.key(
+        chat_gen(conversation("Rome", "Where should we eat dinner near the old town tonight?")),
+        ctx,
+        "small",
+        POLICY,
+    )
+    assert reworded is not None
+    clock.now += 59.0
+    hit = await cache.lookup(key)
+    assert hit is not None and hit.kind == "exact"
+    semantic = await cache.lookup(reworded)
+    assert semantic is not None and semantic.kind == "semantic"
+    clock.now += 2.0
+    assert await cache.lookup(key) is None
+    assert await cache.lookup(reworded) is None
+    assert len(cache._semantic) == 0  # the expired row was dropped from its scope
+
+
+@pytest.mark.redis
+async def test_redis_entries_carry_the_ttl_and_expire(redis_url: str) -> None:
+    """Catches the shared store losing the TTL (entries living forever in Redis) or a wrong unit."""
+    import redis.asyncio as aioredis
+
+    store = RedisStore(redis_url, prefix="ttl-test:", timeout_s=2.0)
+    client = aioredis.from_url(redis_url)
+    try:
+        await store.set("long", {"v": 1}, ttl_s=60.0)
+        assert 59_000 < await client.pttl("ttl-test:long") <= 60_000
+        assert await store.get("long") == {"v": 1}
+        await store.set("short", {"v": 2}, ttl_s=0.05)
+        assert 0 < await client.pttl("ttl-test:short") <= 50
+        deadline = time.monotonic() + 10
+        while await store.get("short") is not None:  # Redis expires it on its own clock
+            assert time.monotonic() < deadline, "a 50 ms entry outlived 10 s"
+        assert await client.exists("ttl-test:short") == 0
+    finally:
+        await client.delete("ttl-test:long")
+        await client.aclose()
+        await store.aclose()
