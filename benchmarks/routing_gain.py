@@ -1,0 +1,270 @@
+"""Does routing pay off at every load? ``auto`` (static and load-aware routing) against always
+``small`` and always ``large``, on one server, side by side at 1, 4, 16 and 48 clients.
+
+The workload is bundled below: 24 open questions and 12 maths word problems, 64 tokens each,
+greedy, ``Cache-Control: no-cache`` (every request generates). A closed loop of N clients sends
+the prompts (the list twice at 48 clients, so every client has work); at each load the four
+modes run back to back in a rotating order so a drift in the machine's speed does not favour one.
+The two ``auto`` modes are the default policy with ``routing.mode`` set to ``static`` or
+``load_aware``: the server hot-reloads the file between phases (routing only: the engines stay).
+
+Reported per load and mode: wall time, mean and p90 latency, completion tokens per second, the
+share of requests per tier, and the quality proxy the policy implies - the share of prompts served
+below the tier their score asks for (the static rules' tier, from ``/v1/route``).
+
+    python -m benchmarks.routing_gain [--loads 1,4,16,48] [--policy policies/default.yaml]
+
+Writes benchmarks/results/routing_gain.json and routing_gain.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from benchmarks.common import machine, percentile, plot_path, serve, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 64
+MODES = ("static", "load_aware", "small", "large")
+
+OPEN_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Give me a synonym for 'happy'.",
+    "What does a thermometer measure?",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "Suggest a name for a pet goldfish.",
+    "What is the opposite of 'ancient'?",
+    "How many days are there in a leap year?",
+    "Describe the taste of a lemon in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "List two benefits of regular exercise.",
+    "Explain the difference between weather and climate.",
+    "Compare the economic policies of Keynes and Hayek and their relevance today.",
+    "Explain how public-key cryptography lets two strangers agree on a secret.",
+    "Discuss the causes of the fall of the Western Roman Empire.",
+    "How does a transformer neural network process a sentence?",
+    "What are the trade-offs between microservices and a monolith?",
+    "Explain why quicksort is fast on average but slow in the worst case.",
+    "Analyse the ethical issues of using facial recognition in public spaces.",
+    "How do vaccines train the immune system?",
+    "Describe how a bill becomes a law in the United States.",
+    "What would happen to Earth's climate if the Moon disappeared?",
+    "Explain the central limit theorem with an example.",
+]
+WORD_PROBLEMS = [
+    "Tom has 3 apples and buys 5 more. He gives 2 to his sister. How many apples does he have now?",
+    "A train travels 60 km per hour for 2.5 hours. How far does it go?",
+    "A shirt costs $20 and is on sale for 15% off. What is the sale price?",
+    "Sara reads 12 pages a day. How many days does she need to finish a 180-page book?",
+    "A rectangle is 8 cm long and 5 cm wide. What is its area and its perimeter?",
+    "If 4 pencils cost $1.20, how much do 10 pencils cost?",
+    "A baker makes 144 cookies and packs them in boxes of 12. How many boxes does he fill?",
+    "Mike is twice as old as his son. In 10 years the sum of their ages will be 74. How old is Mike?",
+    "A tank holds 500 litres and leaks 4% of its water every hour. How much is left after 3 hours?",
+    "Two workers paint a fence in 6 hours together; one alone takes 10 hours. How long does the "
+    "other take alone?",
+    "A store sells notebooks at 3 for $4. Jenny spends $28 on notebooks. How many does she buy?",
+    "The average of five numbers is 18. Four of them are 12, 20, 15 and 25. What is the fifth?",
+]
+PROMPTS = OPEN_QUESTIONS + WORD_PROBLEMS
+
+
+def _set_mode(src: Path, dst: Path, mode: str) -> str:
+    """Write ``src`` with ``routing.mode: mode`` to ``dst``; returns the policy's digest prefix."""
+    doc = yaml.safe_load(src.read_text())
+    doc.setdefault("routing", {})["mode"] = mode
+    text = yaml.safe_dump(doc, sort_keys=False)
+    dst.write_text(text)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _route_body(prompt: str) -> dict[str, Any]:
+    return {"model": "auto", "messages": [{"role": "user", "content": prompt}]}
+
+
+async def _await_policy(client: httpx.AsyncClient, digest: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await client.post(
+            "/v1/route", json={"model": "auto", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        if r.status_code == 200 and r.json().get("policy") == digest:
+            return
+        await asyncio.sleep(0.5)
+    raise SystemExit(f"the server did not load policy {digest} within {timeout_s} s")
+
+
+async def _floors(client: httpx.AsyncClient) -> dict[str, str]:
+    """Each prompt's tier by its score (the static rules), from /v1/route."""
+    out = {}
+    for p in PROMPTS:
+        r = await client.post(
+            "/v1/route", json={"model": "auto", "messages": [{"role": "user", "content": p}]}
+        )
+        r.raise_for_status()
+        out[p] = r.json()["tier"]
+    return out
+
+
+async def _phase(client: httpx.AsyncClient, clients: int, model: str, prompts: list[str]) -> dict[str, Any]:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    latencies: list[float] = []
+    served: list[tuple[str, str]] = []
+    rules: Counter[str] = Counter()
+    status: Counter[int] = Counter()
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        while True:
+            try:
+                prompt = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+            }
+            started = time.perf_counter()
+            r = await client.post("/v1/chat/completions", json=body, headers={"cache-control": "no-cache"})
+            latencies.append(time.perf_counter() - started)
+            status[r.status_code] += 1
+            if r.status_code == 200:
+                tokens += r.json()["usage"]["completion_tokens"]
+                served.append((prompt, r.headers["x-router-tier"]))
+                rules[r.headers["x-router-rule"]] += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - started
+    return {
+        "wall_s": round(wall, 2),
+        "mean_latency_s": round(sum(latencies) / len(latencies), 3),
+        "p90_latency_s": round(percentile(latencies, 90), 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "requests": len(prompts),
+        "status": dict(status),
+        "served": served,
+        "rules": dict(rules.most_common(8)),
+    }
+
+
+async def run(policy: Path, loads: list[int], port: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        live = Path(tmp) / "policy.yaml"
+        _set_mode(policy, live, "static")
+        with serve(live, port) as (url, _pid):
+            async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+                await _await_policy(client, hashlib.sha256(live.read_bytes()).hexdigest()[:12])
+                floors = await _floors(client)
+                order = list(floors)
+                rows = []
+                for i, clients in enumerate(loads):
+                    prompts = order * (2 if clients > len(order) else 1)
+                    modes = MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
+                    for mode in modes:
+                        if mode in ("static", "load_aware"):
+                            await _await_policy(client, _set_mode(policy, live, mode))
+                        model = "auto" if mode in ("static", "load_aware") else mode
+                        print(f"clients={clients} mode={mode}", flush=True)
+                        res = await _phase(client, clients, model, prompts)
+                        tiers = list(yaml.safe_load(policy.read_text())["tiers"])
+                        served = res.pop("served")
+                        shares = Counter(t for _, t in served)
+                        below = sum(1 for p, t in served if tiers.index(t) < tiers.index(floors[p]))
+                        res |= {
+                            "clients": clients,
+                            "mode": mode,
+                            "tier_share": {t: round(shares[t] / max(1, len(served)), 3) for t in tiers},
+                            "below_score_share": round(below / max(1, len(served)), 3),
+                        }
+                        print(
+                            f"  wall {res['wall_s']} s, mean {res['mean_latency_s']} s, "
+                            f"{res['tokens_per_s']} tok/s, tiers {res['tier_share']}",
+                            flush=True,
+                        )
+                        rows.append(res)
+    return {"floors": dict(Counter(floors.values())), "rows": rows}
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for clients in sorted({r["clients"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["clients"] == clients}
+        large = by["large"]
+        out[str(clients)] = {
+            mode: {
+                "wall_vs_large": round(large["wall_s"] / by[mode]["wall_s"], 3),
+                "mean_latency_vs_large": round(large["mean_latency_s"] / by[mode]["mean_latency_s"], 3),
+            }
+            for mode in ("static", "load_aware", "small")
+        }
+    return out
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({r["clients"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in MODES:
+        by = {r["clients"]: r for r in rows if r["mode"] == mode}
+        axes[0].plot(loads, [by[c]["wall_s"] for c in loads], marker="o", label=mode)
+        axes[1].plot(loads, [by[c]["mean_latency_s"] for c in loads], marker="o", label=mode)
+    for ax, title in zip(axes, ("wall time (s)", "mean latency (s)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(loads, [str(c) for c in loads])
+        ax.set_xlabel("clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"routing_gain: {len(PROMPTS)} prompts x {MAX_TOKENS} tokens, greedy (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", default=str(ROOT / "policies/default.yaml"))
+    ap.add_argument("--loads", default="1,4,16,48")
+    ap.add_argument("--port", type=int, default=8093)
+    args = ap.parse_args()
+    loads = [int(x) for x in args.loads.split(",")]
+    result = asyncio.run(run(Path(args.policy), loads, args.port))
+    data = {
+        "machine": machine(),
+        "workload": {
+            "prompts": len(PROMPTS),
+            "open_questions": len(OPEN_QUESTIONS),
+            "word_problems": len(WORD_PROBLEMS),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        },
+        **result,
+        "vs_large": _summary(result["rows"]),
+    }
+    print(write_json("routing_gain", data))
+    _plot(result["rows"], plot_path("routing_gain"))
+
+
+if __name__ == "__main__":
+    main()
