@@ -232,3 +232,37 @@ def test_the_prefix_cache_is_partitioned_by_tenant(server: Server) -> None:
     assert cached_tokens("sk-e") > 0  # the prompt's KV is reused within a partition...
     assert cached_tokens("sk-c1") == 0  # ...but never across tenants
     assert cached_tokens("sk-d") == 0
+
+
+def test_an_unreadable_keys_file_keeps_the_last_good_keys(tmp_path: Path) -> None:
+    """A Kubernetes Secret update swaps a symlink: for a moment the path is missing, or reads half
+    a file. Catches that blip revoking every key (every request a 401 until the next good read);
+    a file that reads and holds no key still revokes them (fail closed)."""
+    from router.auth import Authenticator
+    from router.policy.schema import AuthConfig
+
+    path = tmp_path / "api-keys"
+    path.write_text("sk-live:team-a\n")
+    auth = Authenticator(AuthConfig(api_keys_file=str(path)), ApiKeys(ApiKeys.parse(path.read_text())))
+    live = {"authorization": "Bearer sk-live"}
+    assert auth.authenticate(live) == Caller("team-a", "team-a")
+
+    def blip() -> None:
+        assert auth.refresh() is False
+        assert auth.authenticate(live) == Caller("team-a", "team-a")
+
+    path.unlink()  # the path missing (a dangling symlink mid-swap)
+    blip()
+    path.mkdir()  # something that is not a file in its place
+    blip()
+    path.rmdir()
+    path.write_bytes(b"sk-\xff\xfe")  # half a write: not UTF-8
+    blip()
+    path.write_text("sk-new:team-a\n")  # readable again, rotated: the new set replaces the old
+    assert auth.refresh() is True
+    assert auth.authenticate(live) is None
+    assert auth.authenticate({"authorization": "Bearer sk-new"}) == Caller("team-a", "team-a")
+    assert auth.refresh() is False  # unchanged: nothing reloaded
+    path.write_text("# no keys any more\n")
+    assert auth.refresh() is True
+    assert auth.authenticate({"authorization": "Bearer sk-new"}) is None
