@@ -100,11 +100,37 @@ def fair_server(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -
     stop()
 
 
+def until(condition: Any, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
 def test_a_flooding_tenant_cannot_starve_a_light_one(fair_server: Server) -> None:
+    """heavy's eight requests arrive one by one: two are admitted and the rest refused, and while
+    heavy's two answers are in flight the light tenant still gets in, three times. No timing:
+    heavy-only steps are held (its answers stay in flight for as long as the test needs) and run
+    only while a light request is pending, and each heavy request is sent once the previous one
+    has been admitted or refused."""
     import threading
 
     engine = fair_server.engine("small")
-    engine.step_hook = lambda batch: time.sleep(0.02)  # slow steps: admitted requests stay in flight
+    held = fair_server.service.fair._held["small"]
+    release = threading.Event()
+
+    def light_pending(batch: Any) -> bool:
+        return (
+            any(s.caller == "light" for s in batch.seqs)
+            or engine._inbox_callers.get("light", 0) > 0
+            or any(s.caller == "light" for s in engine.scheduler.waiting)
+        )
+
+    def hold_heavy_steps(batch: Any) -> None:
+        while not release.is_set() and not light_pending(batch):
+            release.wait(0.005)
+
     body = {"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 120}
     body |= {"ignore_eos": True, "stream": True}
     codes: list[int] = []
@@ -121,23 +147,26 @@ def test_a_flooding_tenant_cannot_starve_a_light_one(fair_server: Server) -> Non
             for _ in r.iter_lines():
                 pass
 
+    threads = [threading.Thread(target=heavy) for _ in range(8)]
     try:
         light = ask(fair_server, x_tenant="light")  # the light tenant has used the tier lately
         assert light.status_code == 200
-        threads = [threading.Thread(target=heavy) for _ in range(8)]
-        for t in threads:
+        engine.step_hook = hold_heavy_steps
+        for i, t in enumerate(threads):
             t.start()
-            time.sleep(0.05)
-        time.sleep(0.3)
-        # heavy holds its half of the tier's 4 places; the rest of its flood is refused...
-        assert sorted(codes) == [200, 200] + [429] * 6, codes
-        # ...and the light tenant still gets in while heavy's answers stream.
+            until(lambda i=i: codes.count(429) + held["heavy"] == i + 1)
+        # heavy holds its half of the tier's 4 places; the rest of its flood was refused...
+        assert held["heavy"] == 2 and codes == [429] * 6, codes
+        # ...and the light tenant still gets in while heavy's answers are in flight.
         results = [ask(fair_server, x_tenant="light").status_code for _ in range(3)]
         assert results == [200, 200, 200]
+        assert held["heavy"] == 2
+    finally:
+        release.set()
+        engine.step_hook = None
         for t in threads:
             t.join(60)
-    finally:
-        engine.step_hook = None
+    assert sorted(codes) == [200, 200] + [429] * 6, codes
 
 
 @pytest.fixture(scope="module")
