@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -179,6 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keep_alive_s=args.keep_alive_timeout,
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
+        trusted_proxies=frozenset(p.strip() for p in (args.trusted_proxies or "").split(",") if p.strip()),
     )
     try:
         app = create_app(args.policy, admin_separate=admin, body_timeout_s=limits.body_timeout_s)
@@ -200,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admin_listener(app),
             args.admin_host or args.host,
             args.admin_port,
-            limits,
+            dataclasses.replace(limits, max_connections_per_client=0),  # operators are never capped
             lifespan="off",
             **common,
         )
@@ -327,8 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-connections-per-client",
         type=int,
-        default=256,
-        help="connections one client address may hold (0 = unlimited, e.g. behind a proxy)",
+        default=0,
+        help="connections one client may hold (0 = no cap, the default; behind a proxy, set "
+        "--trusted-proxies so its clients are told apart)",
+    )
+    p.add_argument(
+        "--trusted-proxies",
+        default="",
+        help="comma-separated proxy addresses whose X-Forwarded-For names the client",
     )
     p.set_defaults(func=cmd_serve)
 

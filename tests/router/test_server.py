@@ -3,6 +3,7 @@ limits (slow-loris heads, slow bodies, connections per client)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -87,10 +88,11 @@ def test_a_slow_loris_client_holds_at_most_its_share(served: tuple[str, str]) ->
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
         held.append(s)
-    time.sleep(0.2)
     refused = 0
     for s in held:
-        s.settimeout(0.3)
+        # Over the cap: a 429 once the head is overdue (never a close before a request could be
+        # sent); within it: the 408 of the header timeout.
+        s.settimeout(5)
         try:
             first = s.recv(4096)
         except TimeoutError:
@@ -224,3 +226,49 @@ def test_a_taken_admin_port_moves_operator_endpoints_behind_auth(
             proc.terminate()
             out, _ = proc.communicate(timeout=30)
         assert "admin port" in out and "behind auth" in out
+
+
+def _exchange(port: int, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection and read until the server closes or 5 s pass."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request)
+        s.settimeout(5)
+        data = b""
+        try:
+            while part := s.recv(65536):
+                data += part
+                if b"\r\n\r\n" in data and b"content-length: 0" not in data.lower():
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = [ln for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")]
+                    if length and len(body) >= int(length[0].split(b":")[1]):
+                        break
+        except (TimeoutError, ConnectionError):
+            pass
+        return data
+
+
+def test_over_the_client_cap_a_request_gets_a_whole_429_and_probes_still_pass(
+    served: tuple[str, str],
+) -> None:
+    """Issue 37: the per-client cap wrote a raw 429 and closed connections before their request
+    was sent (clients read a reset), and refused the readiness probe too, so a busy pod behind a
+    proxy (one client address) was marked unready."""
+    url, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]  # the cap: 4
+    try:
+        for s in held:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # heads still coming
+        refused = _exchange(
+            port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-serve\r\n\r\n"
+        )
+        assert refused.startswith(b"HTTP/1.1 429"), refused[:200]
+        head, _, body = refused.partition(b"\r\n\r\n")
+        assert b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        for probe in (b"/readyz", b"/healthz"):
+            answer = _exchange(port, b"GET " + probe + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200"), (probe, answer[:200])
+    finally:
+        for s in held:
+            s.close()
