@@ -20,6 +20,20 @@ os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
 os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Feedback and shadow logs a policy does not place go to the state directory
+    (``router.policy.schema.state_file``): in tests, a tmp dir, never the checkout or ``~``."""
+    path = tmp_path_factory.mktemp("state")
+    old = os.environ.get("TIERED_ROUTER_STATE_DIR")
+    os.environ["TIERED_ROUTER_STATE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TIERED_ROUTER_STATE_DIR", None)
+    else:
+        os.environ["TIERED_ROUTER_STATE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures import build_tiny_model

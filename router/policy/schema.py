@@ -6,7 +6,9 @@ unknown key, wrong type and cross-field error with its field path and line numbe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 __all__ = [
@@ -306,14 +308,26 @@ class TelemetryConfig:
     """Put prompts and outputs on spans. Off by default: traces often leave the trust boundary."""
 
 
+def state_file(name: str) -> str:
+    """``name`` in the service's state directory: ``$TIERED_ROUTER_STATE_DIR``, else
+    ``$XDG_STATE_HOME/tiered-router``, else ``~/.local/state/tiered-router`` (XDG's place for logs
+    a program keeps) - never the working directory, which a deployment may not be able to write
+    and a development checkout should not collect logs in."""
+    base = os.environ.get("TIERED_ROUTER_STATE_DIR")
+    if not base:
+        base = str(Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "tiered-router")
+    return str(Path(base) / name)
+
+
 @dataclass(slots=True)
 class FeedbackConfig:
     """``POST /v1/feedback`` (router/shadow.py): scores for answers this service issued."""
 
     enabled: bool = True
-    log_path: str = "feedback.jsonl"
+    log_path: str = field(default_factory=lambda: state_file("feedback.jsonl"))
     """JSONL of outcome lines ``{"id", "prompt"?, "outcomes": {tier: score}}``; the prompt only
-    with ``service.telemetry.record_content``."""
+    with ``service.telemetry.record_content``. Default: ``feedback.jsonl`` in the state directory
+    (``state_file``); a relative path is relative to the working directory."""
     max_ids: int = 100_000
     """Issued response ids remembered for feedback (least recent forgotten first)."""
     ttl_s: float = 86_400.0
@@ -381,7 +395,9 @@ class ShadowConfig:
     preempt: bool = True
     """A real request arriving cancels the running shadow answers (counted as ``preempted``): on
     shared CPUs, free sequence slots are not free compute. Off where tiers have spare devices."""
-    log_path: str = "shadow.jsonl"
+    log_path: str = field(default_factory=lambda: state_file("shadow.jsonl"))
+    """JSONL of shadow answers. Default: ``shadow.jsonl`` in the state directory (``state_file``);
+    a relative path is relative to the working directory."""
     record_content: bool | None = None
     """Write prompts and answers; null = ``service.telemetry.record_content``."""
 
