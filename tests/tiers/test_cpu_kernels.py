@@ -472,3 +472,69 @@ def test_w4a8_layers_run_the_kernel_and_equal_the_torch_path(
         assert not plain._w4a8_packed and plain.weight_q.shape == (192, 256)
         assert "tiered_router::w4a8_mm" not in _profiled_keys(lambda: plain(x))
         assert torch.equal(plain(x).view(torch.int16), got.view(torch.int16))
+
+
+# -- shipping: the kernels build from an installed package, and no compiler is no failure ----------
+
+
+def test_no_compiler_is_a_warning_and_torchs_ops_not_a_failed_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Catches: `make install` stopping on FileNotFoundError in an image without g++ (the module
+    # promises torch's ops as the fallback).
+    monkeypatch.setattr(cpu_kernels, "_BUILD_DIR", tmp_path / "build")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernels.main([]) == 0
+    assert "no C++ compiler" in capsys.readouterr().err
+    assert not (tmp_path / "build").exists()
+    with pytest.raises(FileNotFoundError):
+        cpu_kernels.build()
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_every_source_the_build_hashes_and_includes(tmp_path: Path) -> None:
+    # Catches: package data listing only csrc/*.cpp - an installed (non-editable) package then
+    # cannot compile, since the sources include bf16.h and simd.h.
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(cpu_kernels.__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for pkg in ("router", "classifier", "tiers"):
+        shutil.copytree(root / pkg, src / pkg, ignore=shutil.ignore_patterns("build", "__pycache__"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=src,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("tiered_router-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {Path(n).name for n in zf.namelist() if n.startswith("tiers/csrc/")}
+        zf.extractall(tmp_path / "site")
+    needed = {p.name for p in [*cpu_kernels._SOURCE_DIR.glob("*.cpp"), *cpu_kernels._SOURCE_DIR.glob("*.h")]}
+    assert needed <= shipped, f"missing from the wheel: {sorted(needed - shipped)}"
+    # Every local header a shipped source includes is shipped beside it (read from the unpacked
+    # wheel's own files, not from the glob that chose them).
+    import re
+
+    csrc = tmp_path / "site" / "tiers" / "csrc"
+    for source in [*csrc.glob("*.cpp"), *csrc.glob("*.h")]:
+        for header in re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.MULTILINE):
+            assert (csrc / header).is_file(), f"{source.name} includes {header}, which the wheel lacks"
