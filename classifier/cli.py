@@ -22,11 +22,21 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _pair(text: str | None) -> tuple[str, str] | None:
+    if text is None:
+        return None
+    weak, sep, strong = text.partition(",")
+    if not sep or not weak.strip() or not strong.strip():
+        raise ValueError(f"--pair {text!r}: expected WEAK_MODEL,STRONG_MODEL")
+    return weak.strip(), strong.strip()
+
+
 def cmd_train_outcomes(args: argparse.Namespace) -> int:
     from classifier.outcome_train import OUTCOME_CONFIG, PROXY_PATH, train_outcomes
 
     paths = [Path(args.outcomes), *(Path(p) for p in args.extra or [])]
-    for path in paths:
+    rated = [Path(p) for p in args.difficulty or []]
+    for path in [*paths, *rated]:
         if not path.is_file():
             return _fail(f"no such file: {path}")
     extra = [] if args.no_proxy else [PROXY_PATH]
@@ -34,7 +44,10 @@ def cmd_train_outcomes(args: argparse.Namespace) -> int:
     if args.heldout_fraction is not None:
         config = dataclasses.replace(config, heldout_fraction=args.heldout_fraction)
     try:
-        metadata = train_outcomes(paths[0], args.out, config, extra, paths[1:])
+        pair = _pair(args.pair)
+        if pair is not None:
+            config = dataclasses.replace(config, difficulty_pair=pair)
+        metadata = train_outcomes(paths[0], args.out, config, extra, paths[1:], rated)
     except ValueError as exc:
         return _fail(str(exc))
     print(
@@ -66,26 +79,48 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from classifier.evaluate import evaluate, evaluate_outcomes, format_report
+    from classifier.evaluate import evaluate, evaluate_outcomes, format_families, format_report
+    from classifier.outcome_train import DIFFICULTY_PAIR
 
     if args.outcomes is not None:
-        if not Path(args.outcomes).is_file():
-            return _fail(f"no such file: {args.outcomes}")
+        files = list(args.outcomes)
+        for path in files:
+            if not Path(path).is_file():
+                return _fail(f"no such file: {path}")
+        results = {}
         try:
-            result = evaluate_outcomes(args.outcomes, args.model, args.subjects, args.png)
+            pair = _pair(args.pair)
+            for path in files:
+                results[path] = evaluate_outcomes(
+                    path,
+                    args.model,
+                    args.subjects,
+                    args.png if len(files) == 1 else None,
+                    pair=(pair or DIFFICULTY_PAIR) if _has_scores(path) else None,
+                    compare=args.compare or [],
+                    draws=args.bootstrap,
+                    lofo=args.lofo,
+                )
         except (ValueError, FileNotFoundError) as exc:
             return _fail(str(exc))
         if args.json:
-            print(json.dumps(result))
-        else:
+            print(json.dumps(results[files[0]] if len(files) == 1 else results))
+            return 0
+        for path, result in results.items():
             base = result["baselines"]
-            print(f"n {result['n']}  subjects {result['subjects']}")
+            print(f"{path}: n {result['n']}  subjects {result['subjects']}")
             print(
                 f"APGR {result['apgr']:.4f}  CPT(50%) {result['cpt_50']:.4f}  CPT(80%) {result['cpt_80']:.4f}"
             )
             print(
                 f"prompt length APGR {base['prompt_length']['apgr']:.4f}  random {base['random']['apgr']:.4f}"
             )
+            print("per family (95 % bootstrap intervals):")
+            print(format_families(result["families"]))
+            if "lofo" in result:
+                print("leave-one-family-out (recipe refitted without each family):")
+                print(format_families(result["lofo"]["families"]))
+                print(f"worst family: {result['lofo']['worst_family']}")
             print(f"latency p50 {result['p50_ms']:.3f} ms   p99 {result['p99_ms']:.3f} ms")
         return 0
     if args.data is None:
@@ -98,6 +133,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     print(json.dumps(metrics) if args.json else format_report(metrics))
     return 0
+
+
+def _has_scores(path: str) -> bool:
+    """Whether an outcome file holds per-model pass rates (needs --pair) - its first line says."""
+    import gzip
+
+    opener: Any = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                return '"scores"' in line
+    return False
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -157,6 +204,16 @@ def _add_commands(sub: Any) -> None:
         nargs="*",
         help="--outcomes: more outcome files (judged shadow log, feedback log), merged by id",
     )
+    p.add_argument(
+        "--difficulty",
+        nargs="*",
+        help="--outcomes: pass-rate files (difficulty_7b.jsonl.gz), read under --pair",
+    )
+    p.add_argument(
+        "--pair",
+        help="WEAK_MODEL,STRONG_MODEL of pass-rate rows "
+        "(default: mistralai/Mistral-7B-v0.1,cognitivecomputations/dolphin-2.9-llama3-8b)",
+    )
     p.add_argument("--no-proxy", action="store_true", help="--outcomes: leave out the bundled proxy corpus")
     p.add_argument(
         "--heldout-fraction",
@@ -175,7 +232,23 @@ def _add_commands(sub: Any) -> None:
 
     p = sub.add_parser("evaluate", help="accuracy on labeled prompts, or APGR/CPT on outcomes")
     p.add_argument("--data", help="labeled JSONL: accuracy, confusion, latency")
-    p.add_argument("--outcomes", help="outcome JSONL(.gz): APGR, CPT(50%%), CPT(80%%), curve, baselines")
+    p.add_argument(
+        "--outcomes",
+        nargs="+",
+        help="outcome JSONL(.gz) file(s): APGR, CPT(50%%), CPT(80%%), curve, baselines, per family",
+    )
+    p.add_argument("--pair", help="--outcomes: WEAK_MODEL,STRONG_MODEL of pass-rate files (difficulty_7b)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        help="--outcomes: another model directory scored side by side (repeatable)",
+    )
+    p.add_argument(
+        "--lofo",
+        action="store_true",
+        help="--outcomes: refit the training recipe without each family and score it (needs ../shared data)",
+    )
+    p.add_argument("--bootstrap", type=int, default=200, help="--outcomes: bootstrap draws per interval")
     p.add_argument(
         "--subjects", choices=["heldout", "all"], default="heldout", help="--outcomes: rows to score"
     )

@@ -17,7 +17,14 @@ import numpy as np
 
 from classifier.data import LABELS, load_jsonl
 
-__all__ = ["classification_metrics", "evaluate", "evaluate_outcomes", "format_report"]
+__all__ = [
+    "classification_metrics",
+    "evaluate",
+    "evaluate_outcomes",
+    "format_families",
+    "format_report",
+    "lofo_fitter",
+]
 
 WARMUP_CALLS = 50
 
@@ -100,25 +107,72 @@ def format_report(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def lofo_fitter(
+    config: Any = None,
+    outcomes_path: str | Path | None = None,
+    difficulty_paths: Sequence[str | Path] | None = None,
+    extra_paths: Sequence[str | Path] | None = None,
+) -> Any:
+    """``fit_without(family)`` for :func:`classifier.validation.lofo_values`: the shipped training
+    recipe (MMLU outcomes, proxy corpus, difficulty_7b; ``config``) minus one family's rows."""
+    from classifier.outcome_train import (
+        DIFFICULTY_7B,
+        MMLU_OUTCOMES,
+        OUTCOME_CONFIG,
+        PROXY_PATH,
+        fit_outcomes,
+        outcome_proba,
+        training_rows,
+    )
+
+    cfg = config if config is not None else OUTCOME_CONFIG
+    base = Path(outcomes_path) if outcomes_path is not None else MMLU_OUTCOMES
+    rated = list(difficulty_paths) if difficulty_paths is not None else [DIFFICULTY_7B]
+    extra = list(extra_paths) if extra_paths is not None else [PROXY_PATH]
+    for path in [base, *rated, *extra]:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"leave-one-family-out training data not at {path}")
+
+    def fit_without(family: str) -> Any:
+        rows, weights, _, _ = training_rows(base, cfg, extra, (), rated, exclude_families=[family])
+        pipeline = fit_outcomes(rows, cfg, weights)
+        return lambda prompts: outcome_proba(pipeline, prompts)
+
+    return fit_without
+
+
 def evaluate_outcomes(
     data_path: str | Path,
     model_path: str | Path | None = None,
     subjects: str = "heldout",
     png: str | Path | None = None,
     latency_prompts: int = 500,
+    pair: tuple[str, str] | None = None,
+    compare: Sequence[str | Path] = (),
+    draws: int = 200,
+    lofo: bool = False,
+    lofo_config: Any = None,
 ) -> dict[str, Any]:
     """RouteLLM's routing metrics of ``value`` on an outcome file (:mod:`classifier.outcomes`).
 
     ``subjects``: ``"heldout"`` scores only the subjects that outcome training keeps out (when
     rows carry subjects; every row otherwise), ``"all"`` every row. Baselines on the same rows:
     prompt length in characters and the mean of 50 random routers. ``png`` plots the curves.
+    ``pair`` picks the (weak, strong) models of pass-rate files (difficulty_7b).
+
+    ``families``: APGR per task family (and pooled) of this model, of every ``compare`` model
+    (e.g. the previous artifact, side by side), of prompt length and random, with ``draws``
+    bootstrap intervals; ``worst_family``: where each model does worst against length/random.
+    With ``lofo`` the shipped training recipe (``lofo_config``) is refitted without each family
+    and scored on it: ``lofo.families`` (same table) and ``lofo.worst_family``.
     """
     from classifier.inference import ComplexityClassifier
     from classifier.outcomes import heldout_subjects, load_outcomes, plot_curves, random_apgr, routing_metrics
+    from classifier.validation import family_table, lofo_values, worst_family
 
     if subjects not in ("heldout", "all"):
         raise ValueError(f"subjects must be 'heldout' or 'all', not {subjects!r}")
-    rows = load_outcomes(data_path)
+    rows = load_outcomes(data_path, pair=pair)
     chosen: list[str] | None = None
     if subjects == "heldout" and any("subject" in r for r in rows):
         chosen = heldout_subjects([r["subject"] for r in rows if "subject" in r])
@@ -135,6 +189,17 @@ def evaluate_outcomes(
         "prompt_length": {k: length[k] for k in ("apgr", "cpt_50", "cpt_80")},
         "random": {"apgr": random_apgr(weak, strong)},
     }
+    routers: dict[str, Any] = {"value": values}
+    for other in compare:
+        routers[f"value ({Path(other).name or other})"] = [
+            s.value for s in ComplexityClassifier.load(other).score_batch(prompts)
+        ]
+    result["families"] = family_table(rows, routers, draws)
+    result["worst_family"] = {name: worst_family(result["families"], name) for name in routers}
+    if lofo:
+        held_out = lofo_values(rows, lofo_fitter(lofo_config))
+        table = family_table(rows, {"value": held_out}, draws)
+        result["lofo"] = {"families": table, "worst_family": worst_family(table, "value")}
     sample = prompts[:latency_prompts]
     for i in range(WARMUP_CALLS):
         clf.score(sample[i % len(sample)])
@@ -151,3 +216,19 @@ def evaluate_outcomes(
         )
         result["png"] = str(png)
     return result
+
+
+def format_families(table: dict[str, Any]) -> str:
+    """One line per family: APGR [95 % interval] of every router in the table."""
+    lines = []
+    for family, entry in table.items():
+        if not entry.get("judged"):
+            lines.append(f"  {family:<22} n {entry['n']:>5}  gap {entry['gap']:+.3f}  (no gap: not judged)")
+            continue
+        cells = []
+        for name, block in entry.items():
+            if isinstance(block, dict) and "apgr" in block:
+                ci = block.get("ci95")
+                cells.append(f"{name} {block['apgr']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
+        lines.append(f"  {family:<22} n {entry['n']:>5}  gap {entry['gap']:+.3f}  " + "  ".join(cells))
+    return "\n".join(lines)

@@ -25,7 +25,7 @@ from sklearn.base import BaseEstimator, TransformerMixin
 
 from classifier.text import COUNT_FEATURES, TOTAL_TOKENS, WORD_TOKEN_PATTERN, count_features
 
-__all__ = ["PAD", "TokenCounts", "register_converters"]
+__all__ = ["PAD", "FamilyCounts", "TokenCounts", "register_converters"]
 
 # Tokenizer pads short rows with this value: two symbols, which the token regex never yields
 # as one token (it emits non-alphanumerics one character at a time).
@@ -95,6 +95,142 @@ class TokenCounts(TransformerMixin, BaseEstimator):
         return np.asarray([f"count_{name}" for name, _ in self._groups()], dtype=object)
 
 
+Rule = tuple[tuple[str, int], ...]
+
+
+class FamilyCounts(TokenCounts):
+    """Task family and length: ``[log1p(tokens), one-hot family, flags]`` from the gated group counts.
+
+    The family is the domain group (of ``domains``) with the most hits, first on ties, none when
+    no domain group counts anything; ``override`` = ``(family, rule)`` takes that family whenever
+    every ``(group, at_least)`` of the rule holds (code: code symbols and a code word, whatever
+    the maths words of a docstring say). ``flags`` are 0/1 columns ``group >= at_least``.
+
+    The point is what this leaves out: inside one task family these columns are (nearly)
+    constant, so the score of a linear model over them ranks a family's prompts by length alone
+    (the one cheap signal measured to carry anything there), and the family columns carry only
+    the between-family prior. Log counts of domain words, by contrast, vary inside a family and
+    drown the length signal (classifier/README.md, "Routing score").
+    """
+
+    def __init__(
+        self,
+        groups: Groups | None = None,
+        gate: str | None = None,
+        gated: tuple[str, ...] = (),
+        gate_at: int = 1,
+        domains: tuple[str, ...] = (),
+        override: tuple[str, Rule] | None = None,
+        flags: Rule = (),
+    ) -> None:
+        super().__init__(groups, gate, gated, gate_at)
+        self.domains = domains
+        self.override = override
+        self.flags = flags
+
+    def _columns(self) -> tuple[list[int], int | None, list[tuple[int, int]], list[tuple[int, int]]]:
+        """Domain columns, the override's family position, its rule and the flags, as indices."""
+        names = [n for n, _ in self._groups()]
+        wanted = [*self.domains, *(g for g, _ in self.flags)]
+        if self.override is not None:
+            wanted += [self.override[0], *(g for g, _ in self.override[1])]
+        unknown = [g for g in wanted if g not in names]
+        if unknown or not self.domains:
+            raise ValueError(f"unknown count groups {unknown}" if unknown else "no domain groups")
+        if self.override is not None and self.override[0] not in self.domains:
+            raise ValueError(f"override family {self.override[0]!r} is not a domain")
+        domains = [names.index(d) for d in self.domains]
+        family = self.domains.index(self.override[0]) if self.override is not None else None
+        rule = [(names.index(g), at) for g, at in self.override[1]] if self.override is not None else []
+        flags = [(names.index(g), at) for g, at in self.flags]
+        return domains, family, rule, flags
+
+    def fit(self, x: Any, y: Any = None) -> FamilyCounts:
+        self._columns()
+        self.n_groups_ = len(self._groups())
+        self.n_features_out_ = 1 + len(self.domains) + len(self.flags)
+        return self
+
+    def transform(self, x: Any) -> np.ndarray:
+        domains, family, rule, flags = self._columns()
+        rows = [count_features(t, self._groups()) for t in _as_list(x)]
+        counts = np.asarray(rows, dtype=np.float64).reshape(-1, self.n_groups_)
+        gating = self._mask()
+        if gating is not None:
+            col, mask = gating
+            m = np.asarray(mask)
+            counts = counts * ((1.0 - m) + m * (counts[:, [col]] < self.gate_at))
+        hits = counts[:, domains]
+        onehot = (np.arange(len(domains))[None, :] == hits.argmax(axis=1)[:, None]).astype(np.float64)
+        onehot *= hits.max(axis=1, keepdims=True) > 0
+        if family is not None:
+            fires = np.all([counts[:, g] >= at for g, at in rule], axis=0)
+            onehot[fires] = np.eye(len(domains))[family]
+        flag_cols = [(counts[:, [g]] >= at).astype(np.float64) for g, at in flags]
+        return np.hstack([np.log1p(counts[:, [0]]), onehot, *flag_cols]).astype(np.float32)
+
+    def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
+        names = [
+            "length",
+            *(f"family_{d}" for d in self.domains),
+            *(f"flag_{g}_{at}" for g, at in self.flags),
+        ]
+        return np.asarray(names, dtype=object)
+
+
+def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
+    from onnx import TensorProto
+
+    name = scope.get_unique_variable_name
+    raw: FamilyCounts = operator.raw_operator
+    domains, family, rule, flags = raw._columns()
+    counts = _emit_counts(scope, operator, container)
+
+    def const(prefix: str, dtype: int, dims: list[int], values: Any) -> str:
+        var = name(prefix)
+        container.add_initializer(var, dtype, dims, values)
+        return var
+
+    def node(op: str, inputs: list[str], **attrs: Any) -> str:
+        out = name(op.lower())
+        container.add_node(op, inputs, out, name=name(op), **attrs)
+        return out
+
+    def gather(cols: list[int]) -> str:
+        return node("Gather", [counts, const("cols", TensorProto.INT64, [len(cols)], cols)], axis=1)
+
+    def at_least(cols: list[tuple[int, int]]) -> str:
+        # Counts are whole numbers: c >= k  <=>  c > k - 0.5.
+        ks = const("at_least", TensorProto.FLOAT, [1, len(cols)], [at - 0.5 for _, at in cols])
+        return node("Greater", [gather([g for g, _ in cols]), ks])
+
+    length = node("Log", [node("Add", [gather([0]), const("one", TensorProto.FLOAT, [], [1.0])])])
+    hits = gather(domains)
+    best = node("ArgMax", [hits], axis=1, keepdims=1)  # first index on ties, as numpy
+    positions = const("positions", TensorProto.INT64, [1, len(domains)], list(range(len(domains))))
+    onehot = node("Cast", [node("Equal", [positions, best])], to=TensorProto.FLOAT)
+    zero = const("zero", TensorProto.FLOAT, [], [0.0])
+    axis1 = const("axis1", TensorProto.INT64, [1], [1])
+    any_hit = node(
+        "Cast", [node("Greater", [node("ReduceMax", [hits, axis1], keepdims=1), zero])], to=TensorProto.FLOAT
+    )
+    onehot = node("Mul", [onehot, any_hit])
+    if family is not None:
+        fired = node("Cast", [at_least(rule)], to=TensorProto.FLOAT)
+        fires = node("Greater", [node("ReduceMin", [fired, axis1], keepdims=1), zero])
+        target = const(
+            "override",
+            TensorProto.FLOAT,
+            [1, len(domains)],
+            [float(i == family) for i in range(len(domains))],
+        )
+        onehot = node("Where", [fires, target, onehot])
+    parts = [length, onehot]
+    if flags:
+        parts.append(node("Cast", [at_least(flags)], to=TensorProto.FLOAT))
+    container.add_node("Concat", parts, operator.outputs[0].full_name, name=name("Concat"), axis=1)
+
+
 def _shape_token_counts(operator: Any) -> None:
     from skl2onnx.common.data_types import FloatTensorType
 
@@ -115,11 +251,13 @@ def _pool(groups: Groups = COUNT_FEATURES) -> tuple[list[str], list[str], np.nda
     return unigrams, bigrams, matrix
 
 
-def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
+def _emit_counts(scope: Any, operator: Any, container: Any) -> str:
+    """Add the nodes that count the groups (gated where asked); returns the raw counts' name [N, G]."""
     from onnx import TensorProto
 
     name = scope.get_unique_variable_name
-    groups = operator.raw_operator._groups()
+    raw = operator.raw_operator
+    groups = raw._groups()
     unigrams, bigrams, matrix = _pool(groups)
     if groups[0][0] != TOTAL_TOKENS:
         raise ValueError("the converter expects the total token count first")
@@ -178,8 +316,8 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
     )
     group_matrix = const("groups", TensorProto.FLOAT, list(matrix.shape), matrix.ravel().tolist())
     container.add_node("MatMul", [pool_counts, group_matrix], grouped, name=name("MatMul"))
-    counts, plus_one = name("counts"), name("plus_one")
-    gating = operator.raw_operator._mask()
+    counts = name("counts")
+    gating = raw._mask()
     joined = counts if gating is None else name("ungated")
     container.add_node("Concat", [total, grouped], joined, name=name("Concat"), axis=1)
     if gating is not None:
@@ -195,7 +333,7 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
         )
         index = const("gate_index", TensorProto.INT64, [1], [col])
         container.add_node("Gather", [joined, index], gate_count, name=name("Gather"), axis=1)
-        at = const("gate_at", TensorProto.FLOAT, [], [float(operator.raw_operator.gate_at)])
+        at = const("gate_at", TensorProto.FLOAT, [], [float(raw.gate_at)])
         container.add_node("Less", [gate_count, at], gate_open, name=name("Less"))
         container.add_node("Cast", gate_open, gate_float, name=name("Cast"), to=TensorProto.FLOAT)
         mask_c = const("gate_mask", TensorProto.FLOAT, [1, width], mask)
@@ -203,9 +341,18 @@ def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
         container.add_node("Mul", [mask_c, gate_float], opened, name=name("Mul"))
         container.add_node("Add", [keep_c, opened], factor, name=name("Add"))
         container.add_node("Mul", [joined, factor], counts, name=name("Mul"))
-    container.add_node(
-        "Add", [counts, const("one", TensorProto.FLOAT, [], [1.0])], plus_one, name=name("Add")
-    )
+    return counts
+
+
+def _convert_token_counts(scope: Any, operator: Any, container: Any) -> None:
+    from onnx import TensorProto
+
+    name = scope.get_unique_variable_name
+    counts = _emit_counts(scope, operator, container)
+    one = name("one")
+    container.add_initializer(one, TensorProto.FLOAT, [], [1.0])
+    plus_one = name("plus_one")
+    container.add_node("Add", [counts, one], plus_one, name=name("Add"))
     container.add_node("Log", plus_one, operator.outputs[0].full_name, name=name("Log"))
 
 
@@ -223,5 +370,8 @@ def register_converters() -> None:
     del register
     update_registered_converter(
         TokenCounts, "TieredRouterTokenCounts", _shape_token_counts, _convert_token_counts
+    )
+    update_registered_converter(
+        FamilyCounts, "TieredRouterFamilyCounts", _shape_token_counts, _convert_family_counts
     )
     _registered = True

@@ -2,12 +2,23 @@
 
 ``train_outcomes()`` fits a logistic regression of ``gain = strong succeeded where weak did not``
 (the only case in which sending a prompt up buys quality) on outcome rows
-(:mod:`classifier.outcomes`), over features that transfer across benchmarks:
+(:mod:`classifier.outcomes`); with pass rates (or judge scores) in [0, 1] the target is the
+probability of that event, ``strong * (1 - weak)``, fitted as two weighted rows. Features
+(``OutcomeConfig.features``):
 
-* :class:`~classifier.features.TokenCounts` over :data:`~classifier.text.OUTCOME_GROUPS`: length
-  and structure (tokens, lines, numbers, questions, sentences, code symbols) and domain cues
-  (maths, code, reasoning, writing, role-play, chat, multiple-choice), standardized;
+* ``"family"`` (shipped): :class:`~classifier.features.FamilyCounts`: log prompt length, the
+  task family (the dominant domain cue: maths, code, reasoning, writing, role-play, chat; none on
+  multiple-choice exam questions) one-hot, and two flags (lettered options, code symbols). Inside
+  a family only the length varies, so the score keeps the length signal there and the family
+  columns learn the between-family priors;
+* ``"counts"`` (the previous artifact): :class:`~classifier.features.TokenCounts` over
+  :data:`~classifier.text.OUTCOME_GROUPS`, log counts of length, structure and domain cues;
 * optionally a word TF-IDF (unigrams), strongly regularized.
+
+Besides the MMLU outcomes (Mixtral vs GPT-4) and the proxy corpus, training reads
+``difficulty_7b`` (maths word problems, pre-algebra, Python and JavaScript with seven 7-8B models'
+pass rates) under ``OutcomeConfig.difficulty_pair``: a second model family, which sets the maths
+and code priors from measured outcomes instead of hand-written proxies alone.
 
 The graph outputs the same ``probabilities`` [N, 3] over small/medium/large as the complexity
 model, so policies, ``predicted`` and escalation keep working: with ``p = P(gain)``, the tiers
@@ -43,7 +54,10 @@ from classifier.outcomes import (
 from classifier.text import OUTCOME_GROUPS, WORD_TOKEN_PATTERN
 
 __all__ = [
+    "DIFFICULTY_7B",
+    "DIFFICULTY_PAIR",
     "DROPPED_SUBJECTS",
+    "MMLU_OUTCOMES",
     "OUTCOME_CONFIG",
     "OUTCOME_VERSION",
     "PROXY_PATH",
@@ -51,10 +65,19 @@ __all__ = [
     "export_outcome_onnx",
     "fit_outcomes",
     "outcome_proba",
+    "outcome_targets",
     "train_outcomes",
 ]
 
-OUTCOME_VERSION = "2.0.0"
+OUTCOME_VERSION = "3.0.0"
+# Where the outcome data lives in this workspace (read at training time, never copied here).
+SHARED_ROUTING = Path(__file__).resolve().parents[2] / "shared/data/routing"
+MMLU_OUTCOMES = SHARED_ROUTING / "mmlu_outcomes.jsonl.gz"
+DIFFICULTY_7B = SHARED_ROUTING / "difficulty_7b.jsonl.gz"
+# The 7-8B pair the shipped score trains on: the base model against the strongest general
+# fine-tune, whose gain is positive in every family (maths word problems +0.40, pre-algebra
+# +0.15, Python +0.17, JavaScript +0.24).
+DIFFICULTY_PAIR = ("mistralai/Mistral-7B-v0.1", "cognitivecomputations/dolphin-2.9-llama3-8b")
 # The hand-written outcome-proxy corpus (classifier/README.md, "Routing score"): free-form
 # prompts of the kinds MMLU lacks (writing, role-play, chat, maths word problems, code), with
 # outcomes set from their category's published weak/strong gap.
@@ -75,11 +98,17 @@ DOMAIN_GROUPS: tuple[str, ...] = (
     "roleplay",
     "chat",
 )
+# FamilyCounts: code whenever the prompt has code symbols and a code word (a docstring's maths
+# words must not make a coding task "maths"); flags for exam questions and code-looking prompts.
+CODE_OVERRIDE = ("code", (("code_symbols", 3), ("code", 1)))
+FAMILY_FLAGS = (("choices", 3), ("code_symbols", 3))
 
 
 @dataclass(frozen=True)
 class OutcomeConfig:
-    name: str = "lr-outcome-groups"
+    name: str = "lr-family-length"
+    features: str = "family"
+    """``"family"``: length + task family (FamilyCounts); ``"counts"``: log counts (TokenCounts)."""
     c: float = 0.3
     """Inverse L2 strength of the logistic regression."""
     word_max_features: int = 0
@@ -93,9 +122,15 @@ class OutcomeConfig:
     scale: bool = False
     """Standardize the counts. Off: gated cues are 0 on most training rows, so their standard
     deviation is tiny and standardizing would blow them up on every free-form prompt."""
+    difficulty_pair: tuple[str, str] = DIFFICULTY_PAIR
+    """(weak, strong) models of pass-rate rows (difficulty_7b) in training."""
+    difficulty_weight: float = 1.0
+    """Sample weight of each pass-rate row."""
 
 
 OUTCOME_CONFIG = OutcomeConfig()
+# The previous shipped configuration (log counts, no 7-8B rows), kept for side-by-side runs.
+COUNTS_CONFIG = OutcomeConfig(name="lr-outcome-groups", features="counts")
 
 
 def _features(config: OutcomeConfig) -> Any:
@@ -104,13 +139,19 @@ def _features(config: OutcomeConfig) -> Any:
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from classifier.features import TokenCounts
+    from classifier.features import FamilyCounts, TokenCounts
 
-    counts = (
-        TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS, gate_at=3)
-        if config.gate_domain
-        else TokenCounts(OUTCOME_GROUPS)
+    gating: dict[str, Any] = (
+        {"gate": "choices", "gated": DOMAIN_GROUPS, "gate_at": 3} if config.gate_domain else {}
     )
+    if config.features == "family":
+        counts: Any = FamilyCounts(
+            OUTCOME_GROUPS, domains=DOMAIN_GROUPS, override=CODE_OVERRIDE, flags=FAMILY_FLAGS, **gating
+        )
+    elif config.features == "counts":
+        counts = TokenCounts(OUTCOME_GROUPS, **gating)
+    else:
+        raise ValueError(f"unknown features {config.features!r} (family or counts)")
     steps: list[tuple[str, Any]] = [("tokens", counts)]
     if config.scale:
         steps.append(("scale", StandardScaler()))
@@ -129,31 +170,43 @@ def _features(config: OutcomeConfig) -> Any:
     return ColumnTransformer(parts, sparse_threshold=1.0)
 
 
-def _targets(rows: Sequence[OutcomeRow]) -> np.ndarray:
-    return np.array([1 if r["strong"] > r["weak"] else 0 for r in rows], dtype=np.int64)
+def outcome_targets(rows: Sequence[OutcomeRow]) -> np.ndarray:
+    """P(strong succeeds where weak fails) per row: ``strong * (1 - weak)`` on scores clipped to
+    [0, 1] (exactly ``strong > weak`` on 0/1 outcomes; on pass rates, the chance that one sample
+    of each model shows the gain)."""
+    strong = np.clip([r["strong"] for r in rows], 0.0, 1.0)
+    weak = np.clip([r["weak"] for r in rows], 0.0, 1.0)
+    return np.asarray(strong * (1.0 - weak), dtype=np.float64)
 
 
 def fit_outcomes(
     rows: Sequence[OutcomeRow], config: OutcomeConfig = OUTCOME_CONFIG, weights: Sequence[float] | None = None
 ) -> Any:
     """A fitted Pipeline(features, LogisticRegression) over model_rows() input; classes [0, 1]."""
+    from scipy import sparse
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
 
     from classifier.features import register_converters
     from classifier.train import model_rows
 
-    y = _targets(rows)
-    if len(set(y.tolist())) < 2:
+    target = outcome_targets(rows)
+    if not (target.max() > 0.0 and target.min() < 1.0):
         raise ValueError(
             "outcome rows must include prompts where the strong tier helped and where it did not"
         )
     register_converters()
     features = _features(config)
     x = features.fit_transform(model_rows([r["prompt"] for r in rows]))
+    base = np.ones(len(rows)) if weights is None else np.asarray(weights, dtype=np.float64)
+    # Each row twice: as a gain with weight w * t and as no gain with weight w * (1 - t).
+    w2 = np.concatenate([base * target, base * (1.0 - target)])
+    keep = np.flatnonzero(w2 > 0.0)
+    x2 = sparse.vstack([x, x]).tocsr() if sparse.issparse(x) else np.vstack([x, x])
+    y2 = np.concatenate([np.ones(len(rows), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)])
     # lbfgs is deterministic for a given input; tol tight so retraining reproduces the weights.
     linear = LogisticRegression(C=config.c, max_iter=5000, tol=1e-8)
-    linear.fit(x, y, sample_weight=None if weights is None else np.asarray(weights, dtype=np.float64))
+    linear.fit(x2[keep], y2[keep], sample_weight=w2[keep])
     return Pipeline([("features", features), ("classifier", linear)])
 
 
@@ -271,12 +324,16 @@ def training_rows(
     config: OutcomeConfig = OUTCOME_CONFIG,
     extra_paths: Sequence[str | Path] = (PROXY_PATH,),
     more_outcomes: Sequence[str | Path] = (),
+    difficulty_paths: Sequence[str | Path] = (),
+    exclude_families: Sequence[str] = (),
 ) -> tuple[list[OutcomeRow], list[float], list[str], list[str]]:
     """``(rows, weights, heldout_subjects, dropped_subjects)`` for :func:`fit_outcomes`.
 
     ``more_outcomes`` (shadow and feedback logs: real outcomes, weight 1) are read together with
     ``outcomes_path``, so lines about one answer merge by id; ``extra_paths`` (the proxy corpus)
-    weigh ``config.proxy_weight`` each.
+    weigh ``config.proxy_weight`` each; ``difficulty_paths`` (pass-rate rows, read under
+    ``config.difficulty_pair``) ``config.difficulty_weight``. Rows of ``exclude_families`` are
+    left out (leave-one-family-out validation).
     """
     rows = load_outcomes([outcomes_path, *more_outcomes])
     subjects = [r["subject"] for r in rows if "subject" in r]
@@ -289,6 +346,14 @@ def training_rows(
         extra = load_outcomes(path)
         train += extra
         weights += [config.proxy_weight] * len(extra)
+    for path in difficulty_paths:
+        rated = load_outcomes(path, pair=config.difficulty_pair)
+        train += rated
+        weights += [config.difficulty_weight] * len(rated)
+    if exclude_families:
+        out = set(exclude_families)
+        kept = [i for i, r in enumerate(train) if r["family"] not in out]
+        train, weights = [train[i] for i in kept], [weights[i] for i in kept]
     return train, weights, held, dropped
 
 
@@ -313,6 +378,7 @@ def train_outcomes(
     config: OutcomeConfig = OUTCOME_CONFIG,
     extra_paths: Sequence[str | Path] = (PROXY_PATH,),
     more_outcomes: Sequence[str | Path] = (),
+    difficulty_paths: Sequence[str | Path] = (),
 ) -> dict[str, Any]:
     """Fit on outcomes, export ``model.onnx`` + ``metadata.json`` into ``out_dir``; returns metadata.
 
@@ -327,7 +393,9 @@ def train_outcomes(
     from classifier.train import numerics_host
 
     outcomes_path, out = Path(outcomes_path), Path(out_dir)
-    rows, weights, held, dropped = training_rows(outcomes_path, config, extra_paths, more_outcomes)
+    rows, weights, held, dropped = training_rows(
+        outcomes_path, config, extra_paths, more_outcomes, difficulty_paths
+    )
     pipeline = fit_outcomes(rows, config, weights)
     model = export_outcome_onnx(pipeline, {"version": OUTCOME_VERSION, "score": "outcome"})
 
@@ -370,8 +438,9 @@ def train_outcomes(
             "outcomes": {"path": outcomes_path.name, "sha256": _sha256(outcomes_path)},
             "extra": [{"path": Path(p).name, "sha256": _sha256(Path(p))} for p in extra_paths],
             "more_outcomes": [{"path": Path(p).name, "sha256": _sha256(Path(p))} for p in more_outcomes],
+            "difficulty": [{"path": Path(p).name, "sha256": _sha256(Path(p))} for p in difficulty_paths],
             "n": len(rows),
-            "positives": int(_targets(rows).sum()),
+            "positives": round(float(outcome_targets(rows).sum()), 2),
             "dropped_subjects": dropped,
         },
         "config": dataclasses.asdict(config),
@@ -380,7 +449,9 @@ def train_outcomes(
             "word_tfidf": config.word_max_features,
         },
         "weights": {
-            n: round(float(w), 4) for n, w in zip(names, coef, strict=True) if n.startswith("counts")
+            n.split("__", 1)[-1]: round(float(w), 4)
+            for n, w in zip(names, coef, strict=True)
+            if n.startswith("counts")
         },
         "intercept": round(float(np.asarray(linear.intercept_).ravel()[0]), 4),
         "onnx": {"sha256": _sha256(out / "model.onnx"), "max_abs_drift_vs_sklearn": drift},

@@ -8,8 +8,15 @@ lines (``.jsonl`` or ``.jsonl.gz``):
 * ``{"prompt": ..., "outcomes": {"small": s, "large": s, ...}}``: per-tier scores, as the shadow
   log and ``POST /v1/feedback`` write them; the cheapest tier present is "weak", the strongest
   "strong". Rows naming a single tier carry no comparison and are skipped;
+* ``{"prompt": ..., "source": ..., "scores": {model: pass rate}}`` (``difficulty_7b``: several
+  models' pass rates): read with ``pair=(weak model, strong model)``;
 * optional ``subject`` (used for subject-held-out splits) and ``contaminated`` (dropped, as
   RouteLLM's own evaluation drops them).
+
+Every row gets a ``family`` (its task family, for per-family and leave-one-family-out
+validation, :mod:`classifier.validation`): the row's own ``family``, else its ``source`` (with the
+two HumanEval splits as one ``python`` family), else the MMLU category of its ``subject`` (STEM,
+humanities, social sciences, other, as Hendrycks et al. group them), else its ``subject``.
 
 Routing metrics follow RouteLLM (Ong et al., 2024, "RouteLLM: Learning to Route LLMs with
 Preference Data"): a router sends the prompts with the highest scores to the strong model. At a
@@ -39,7 +46,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "MMLU_CATEGORIES",
     "OutcomeRow",
+    "family_of",
     "heldout_subjects",
     "load_outcomes",
     "merge_by_id",
@@ -58,6 +67,47 @@ HELDOUT_SUBJECT_FRACTION = 0.25
 SUBJECT_SALT = "routing-heldout-v1"
 
 
+# Hendrycks et al.'s grouping of the 57 MMLU subjects (their categories.py), as task families.
+_MMLU_GROUPS = {
+    "stem": "abstract_algebra astronomy college_biology college_chemistry college_computer_science "
+    "college_mathematics college_physics computer_security conceptual_physics electrical_engineering "
+    "elementary_mathematics high_school_biology high_school_chemistry high_school_computer_science "
+    "high_school_mathematics high_school_physics high_school_statistics machine_learning",
+    "humanities": "formal_logic high_school_european_history high_school_us_history "
+    "high_school_world_history international_law jurisprudence logical_fallacies moral_disputes "
+    "moral_scenarios philosophy prehistory professional_law world_religions",
+    "social_sciences": "econometrics high_school_geography high_school_government_and_politics "
+    "high_school_macroeconomics high_school_microeconomics high_school_psychology human_sexuality "
+    "professional_psychology public_relations security_studies sociology us_foreign_policy",
+    "other": "anatomy business_ethics clinical_knowledge college_medicine global_facts human_aging "
+    "management marketing medical_genetics miscellaneous nutrition professional_accounting "
+    "professional_medicine virology",
+}
+MMLU_CATEGORIES: dict[str, str] = {
+    subject: f"mmlu_{group}" for group, names in _MMLU_GROUPS.items() for subject in names.split()
+}
+# difficulty_7b sources -> task families (HumanEval's train and test splits are one task).
+SOURCE_FAMILIES = {
+    "gsm8k-train": "gsm8k",
+    "MATH_prealgebra": "math_prealgebra",
+    "humaneval_train": "python",
+    "humaneval_test": "python",
+    "javascript": "javascript",
+}
+
+
+def family_of(row: Mapping[str, Any]) -> str:
+    """The task family of a raw or parsed row (see the module docstring); "all" when nothing says."""
+    for key in ("family", "source"):
+        value = row.get(key)
+        if isinstance(value, str) and value:
+            return SOURCE_FAMILIES.get(value, value) if key == "source" else value
+    subject = row.get("subject")
+    if isinstance(subject, str) and subject:
+        return MMLU_CATEGORIES.get(subject, subject)
+    return "all"
+
+
 def _score(value: Any, where: str) -> float:
     if isinstance(value, bool):
         return float(value)
@@ -66,12 +116,23 @@ def _score(value: Any, where: str) -> float:
     raise ValueError(f"{where}: outcome {value!r} is not a number or boolean")
 
 
-def parse_outcome(row: Mapping[str, Any], where: str = "row") -> OutcomeRow | None:
-    """One normalized row ``{"prompt", "weak", "strong", "subject"?}``, or None when it has no pair."""
+def parse_outcome(
+    row: Mapping[str, Any], where: str = "row", pair: tuple[str, str] | None = None
+) -> OutcomeRow | None:
+    """One normalized row ``{"prompt", "weak", "strong", "family", "subject"?}``, or None when it
+    has no pair. ``pair`` names the (weak, strong) models of rows that carry ``scores``."""
     prompt = row.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: expected a string 'prompt'")
-    if "outcomes" in row:
+    if "scores" in row and "weak" not in row:
+        scores = row["scores"]
+        if pair is None:
+            raise ValueError(f"{where}: rows with per-model 'scores' need a (weak, strong) model pair")
+        if not isinstance(scores, Mapping) or any(m not in scores for m in pair):
+            models = sorted(scores) if isinstance(scores, Mapping) else []
+            raise ValueError(f"{where}: no scores for {list(pair)} (models: {models})")
+        weak, strong = _score(scores[pair[0]], where), _score(scores[pair[1]], where)
+    elif "outcomes" in row:
         outcomes = row["outcomes"]
         if not isinstance(outcomes, Mapping):
             raise ValueError(f"{where}: 'outcomes' must map tier names to scores")
@@ -87,7 +148,7 @@ def parse_outcome(row: Mapping[str, Any], where: str = "row") -> OutcomeRow | No
         weak, strong = _score(row["weak"], where), _score(row["strong"], where)
     else:
         raise ValueError(f"{where}: expected 'weak' and 'strong', or 'outcomes'")
-    out: OutcomeRow = {"prompt": prompt, "weak": weak, "strong": strong}
+    out: OutcomeRow = {"prompt": prompt, "weak": weak, "strong": strong, "family": family_of(row)}
     if isinstance(row.get("subject"), str):
         out["subject"] = row["subject"]
     return out
@@ -145,7 +206,9 @@ def merge_by_id(rows: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, d
 
 
 def load_outcomes(
-    path: str | Path | Sequence[str | Path], keep_contaminated: bool = False
+    path: str | Path | Sequence[str | Path],
+    keep_contaminated: bool = False,
+    pair: tuple[str, str] | None = None,
 ) -> list[OutcomeRow]:
     """Read outcome JSONL(.gz) file(s); see the module docstring for the accepted shapes.
 
@@ -158,7 +221,7 @@ def load_outcomes(
     for where, raw in raws:
         if raw.get("contaminated") and not keep_contaminated:
             continue
-        row = parse_outcome(raw, where)
+        row = parse_outcome(raw, where, pair)
         if row is not None:
             rows.append(row)
     if not rows:

@@ -90,9 +90,10 @@ def test_clear_cases_of_the_complexity_taxonomy(prompt: str, tier: str) -> None:
 
 
 def test_value_orders_where_the_strong_tier_helps(shipped: ComplexityClassifier) -> None:
-    # The outcome score: chat and writing (weak model suffices) below one-step arithmetic, below
-    # a multi-step word problem and a proof (where the strong model gains most). The complexity
-    # taxonomy put the poem above the arithmetic; this order is what routing needs.
+    # The outcome score: chat and writing (weak model suffices) below a multi-step word problem
+    # and a proof (where the strong model gains most). The complexity taxonomy put the poem above
+    # the arithmetic; this order is what routing needs. (Between chat and a poem the family
+    # priors decide: writing has the smallest measured gain, so a poem may score below "thanks!".)
     chat = shipped.score("thanks!").value
     poem = shipped.score("Write a short poem about my cat for her birthday card.").value
     word_problem = shipped.score(
@@ -100,7 +101,7 @@ def test_value_orders_where_the_strong_tier_helps(shipped: ComplexityClassifier)
         "away half of hers and then buys 7 more. How many apples does Janet have now?"
     ).value
     proof = shipped.score("Prove that every planar graph is 5-colorable, with all the lemmas.").value
-    assert chat < poem < min(word_problem, proof)
+    assert max(chat, poem) < min(word_problem, proof)
 
 
 def test_score_batch_matches_score(shipped: ComplexityClassifier) -> None:

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from classifier.outcomes import (
+    MMLU_CATEGORIES,
+    family_of,
     heldout_subjects,
     load_outcomes,
     parse_outcome,
@@ -84,6 +86,7 @@ def test_parse_the_accepted_shapes() -> None:
         "prompt": "p",
         "weak": 1.0,
         "strong": 0.0,
+        "family": "all",
     }
     tiers = parse_outcome({"prompt": "p", "outcomes": {"large": 0.9, "small": 0.2, "medium": 0.5}})
     assert tiers is not None and (tiers["weak"], tiers["strong"]) == (0.2, 0.9)
@@ -92,6 +95,21 @@ def test_parse_the_accepted_shapes() -> None:
         parse_outcome({"prompt": "p", "outcomes": {"small": 1, "huge": 0}})
     with pytest.raises(ValueError, match="not a number"):
         parse_outcome({"prompt": "p", "weak": "yes", "strong": 1})
+
+
+def test_pass_rate_rows_need_a_pair_and_get_their_family() -> None:
+    """difficulty_7b's shape: per-model pass rates; the pair picks weak and strong, the source the family."""
+    raw = {"prompt": "p", "source": "humaneval_test", "scores": {"a": 0.2, "b": 0.7, "c": 0.5}}
+    with pytest.raises(ValueError, match="model pair"):
+        parse_outcome(raw)
+    with pytest.raises(ValueError, match="no scores"):
+        parse_outcome(raw, pair=("a", "z"))
+    row = parse_outcome(raw, pair=("a", "b"))
+    assert row is not None and (row["weak"], row["strong"], row["family"]) == (0.2, 0.7, "python")
+    # MMLU subjects fall into Hendrycks et al.'s four categories; an explicit family wins.
+    assert family_of({"subject": "moral_scenarios"}) == "mmlu_humanities"
+    assert family_of({"subject": "virology", "family": "f"}) == "f"
+    assert len(MMLU_CATEGORIES) == 57
 
 
 def test_load_gzip_and_drop_contaminated(tmp_path: Path) -> None:
@@ -144,6 +162,6 @@ def test_shadow_and_feedback_lines_merge_by_id(tmp_path: Path) -> None:
     a, b = tmp_path / "shadow.jsonl", tmp_path / "feedback.jsonl"
     a.write_text(json.dumps(shadow) + "\n" + json.dumps(unjudged) + "\n")
     b.write_text(json.dumps(feedback) + "\n")
-    assert load_outcomes([a, b]) == [{"prompt": "p", "weak": 0.0, "strong": 1.0}]
+    assert load_outcomes([a, b]) == [{"prompt": "p", "weak": 0.0, "strong": 1.0, "family": "all"}]
     with pytest.raises(ValueError, match="no rows"):
         load_outcomes([b])  # feedback alone: one tier, no comparison

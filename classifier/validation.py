@@ -1,0 +1,154 @@
+"""Validation that sees transfer: APGR per task family, leave-one-family-out, bootstrap intervals.
+
+Every model selection on one task family (MMLU) hid that inside another family (maths word
+problems, code) a score can route worse than prompt length. This module scores a router
+family by family, beside prompt length and random, with percentile bootstrap intervals, and
+refits a training recipe without each family to score that family (leave-one-family-out, LOFO):
+the honest estimate for a family the score has never seen. Model selection reads the **worst**
+family (:func:`worst_family`), not the mean.
+
+Families come from :func:`classifier.outcomes.family_of` (a row's ``family``, its ``source``, or
+its MMLU subject's category).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from classifier.outcomes import OutcomeRow, random_apgr, routing_metrics
+
+__all__ = [
+    "LENGTH",
+    "RANDOM",
+    "bootstrap_apgr",
+    "family_table",
+    "lofo_values",
+    "prompt_length",
+    "worst_family",
+]
+
+LENGTH = "prompt length"
+RANDOM = "random"
+# A family whose weak and strong models differ by less than this has no gap to recover: its
+# APGR divides by ~0 and says nothing, so it is reported but not judged.
+MIN_GAP = 0.02
+
+
+def prompt_length(rows: Sequence[OutcomeRow]) -> np.ndarray:
+    """The baseline router: characters, longest to the strong model first."""
+    return np.array([len(r["prompt"]) for r in rows], dtype=np.float64)
+
+
+def bootstrap_apgr(
+    scores: ArrayLike,
+    weak: ArrayLike,
+    strong: ArrayLike,
+    draws: int = 200,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of APGR: rows resampled with replacement, ``draws`` times.
+
+    Draws whose resample has no gap between the models (APGR undefined) are skipped.
+    """
+    s, w, g = (np.asarray(a, dtype=np.float64) for a in (scores, weak, strong))
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(draws):
+        idx = rng.integers(0, len(s), len(s))
+        if abs(g[idx].sum() - w[idx].sum()) < 1e-9:
+            continue
+        values.append(routing_metrics(s[idx], w[idx], g[idx])["apgr"])
+    if not values:
+        return float("nan"), float("nan")
+    tail = (1.0 - level) / 2.0 * 100.0
+    lo, hi = np.percentile(values, [tail, 100.0 - tail])
+    return round(float(lo), 4), round(float(hi), 4)
+
+
+def _block(
+    scores: ArrayLike, weak: Sequence[float], strong: Sequence[float], draws: int, seed: int
+) -> dict[str, Any]:
+    m = routing_metrics(scores, weak, strong)
+    out: dict[str, Any] = {"apgr": round(float(m["apgr"]), 4)}
+    if draws > 0:
+        out["ci95"] = list(bootstrap_apgr(scores, weak, strong, draws, seed))
+    return out
+
+
+def family_table(
+    rows: Sequence[OutcomeRow],
+    routers: Mapping[str, ArrayLike],
+    draws: int = 200,
+    seed: int = 0,
+    pooled: bool = True,
+) -> dict[str, Any]:
+    """``{family: {"n", "gap", router: {"apgr", "ci95"}, "prompt length": ..., "random": ...}}``.
+
+    ``routers`` maps a name to one score per row (higher = send to the strong model first);
+    prompt length and the mean of 50 random routers are added. With ``pooled`` the table has an
+    ``"all"`` entry over every row as well (when there is more than one family). A family with a
+    gap under :data:`MIN_GAP` gets ``"judged": false`` and no APGR.
+    """
+    families = sorted({r["family"] for r in rows})
+    groups: dict[str, np.ndarray] = {f: np.flatnonzero([r["family"] == f for r in rows]) for f in families}
+    if pooled and len(families) > 1:
+        groups["all"] = np.arange(len(rows))
+    length = prompt_length(rows)
+    scored = {name: np.asarray(v, dtype=np.float64) for name, v in routers.items()}
+    weak_all = np.array([r["weak"] for r in rows], dtype=np.float64)
+    strong_all = np.array([r["strong"] for r in rows], dtype=np.float64)
+    table: dict[str, Any] = {}
+    for family, idx in groups.items():
+        weak, strong = weak_all[idx].tolist(), strong_all[idx].tolist()
+        gap = float(np.mean(strong) - np.mean(weak))
+        entry: dict[str, Any] = {"n": len(idx), "gap": round(gap, 4), "judged": abs(gap) >= MIN_GAP}
+        if entry["judged"]:
+            for name, values in scored.items():
+                entry[name] = _block(values[idx], weak, strong, draws, seed)
+            entry[LENGTH] = _block(length[idx], weak, strong, draws, seed)
+            entry[RANDOM] = {"apgr": round(random_apgr(weak, strong, seed), 4)}
+        table[family] = entry
+    return table
+
+
+def worst_family(table: Mapping[str, Any], router: str) -> dict[str, Any]:
+    """The judged family where ``router`` does worst against prompt length (and its margins).
+
+    ``margin_length`` = router APGR - length APGR, ``margin_random`` = router APGR - random;
+    the minimum over families of ``min(margin_length, margin_random)`` is what selection ranks.
+    """
+    worst: dict[str, Any] | None = None
+    for family, entry in table.items():
+        if family == "all" or not entry.get("judged") or router not in entry:
+            continue
+        apgr = entry[router]["apgr"]
+        margins = {
+            "margin_length": round(apgr - entry[LENGTH]["apgr"], 4),
+            "margin_random": round(apgr - entry[RANDOM]["apgr"], 4),
+        }
+        key = min(margins.values())
+        if worst is None or key < worst["margin"]:
+            worst = {"family": family, "apgr": apgr, "margin": round(key, 4), **margins}
+    return worst or {}
+
+
+def lofo_values(
+    rows: Sequence[OutcomeRow],
+    fit_without: Callable[[str], Callable[[Sequence[str]], np.ndarray]],
+) -> np.ndarray:
+    """Leave-one-family-out scores: each family's rows scored by ``fit_without(family)``.
+
+    ``fit_without(family)`` trains the recipe under test on its training data minus every row of
+    that family and returns a scorer (prompts -> values).
+    """
+    values = np.zeros(len(rows), dtype=np.float64)
+    for family in sorted({r["family"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["family"] == family]
+        scorer = fit_without(family)
+        values[idx] = scorer([rows[i]["prompt"] for i in idx])
+    return values
