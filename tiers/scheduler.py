@@ -312,13 +312,16 @@ class Scheduler:
         fewer sequences than that; ``only``: only these callers' (the next one is another's:
         stop). Returns the budget left."""
         running = Counter(s.caller for s in self.running)
+        # Branches of an n > 1 request whose first branch is still computing the prompt: passed
+        # over this step, never blocking the callers queued behind them.
+        forks_waiting: set[int] = set()
         while (
             self.waiting
             and budget > 0
             and not batch.preempted_for_blocks
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self._next_waiting(running, only)
+            seq = self._next_waiting(running, only, forks_waiting)
             if seq is None:
                 break
             if lighter_than is not None and running[seq.caller] >= lighter_than:
@@ -327,7 +330,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 continue
             if seq.fork_of is not None and not self._may_fork(seq):
-                break
+                forks_waiting.add(seq.seq_id)
+                continue
             n = self._allocate_new(seq, budget, contended=len(self.waiting) > 1 or bool(batch.seqs))
             if not n:
                 break
@@ -340,15 +344,18 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _next_waiting(self, running: Counter[str], only: set[str] | None = None) -> Sequence | None:
+    def _next_waiting(
+        self, running: Counter[str], only: set[str] | None = None, passed: set[int] | None = None
+    ) -> Sequence | None:
         """Fair queuing between callers: the waiting sequence of the caller with the fewest
         running sequences goes next; within one caller, queue order (its preempted sequences,
         then its arrivals). A caller's own requests therefore never overtake each other, so the
         wait admission predicted for one is not stretched by the same caller's later arrivals.
-        ``only``: among these callers' (``None`` when none of theirs waits)."""
+        ``only``: among these callers' (``None`` when none of theirs waits); ``passed``: sequence
+        ids not to pick (branches waiting for their first branch's prompt)."""
         best: Sequence | None = None
         for seq in self.waiting:
-            if only is not None and seq.caller not in only:
+            if (only is not None and seq.caller not in only) or (passed and seq.seq_id in passed):
                 continue
             if best is None or running[seq.caller] < running[best.caller]:
                 best = seq

@@ -168,6 +168,34 @@ def test_n_branches_wait_for_the_first_and_fork_its_blocks() -> None:
     assert child.num_computed_tokens == 8 and batch.num_new_tokens[batch.seqs.index(child)] == 2
 
 
+def test_branches_waiting_for_their_leader_never_block_other_callers() -> None:
+    # Catches: admission stopping at the first branch that cannot fork yet (it `break`s), so a
+    # 4-token request waited for the whole 2,000-token prompt of an n=4 leader: 64 steps with
+    # five free slots.
+    sched = make(
+        num_blocks=1024, block_size=16, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=4096
+    )
+    busy = [seq(3, start=3000 + 10 * i, caller="b") for i in range(2)]  # b runs more than a does
+    leader = seq(2000, caller="a")
+    branches = [seq(2000, fork_of=leader, caller="a") for _ in range(3)]
+    for s in [*busy, leader, *branches]:
+        sched.add(s)
+    run(sched, sched.schedule())  # type: ignore[arg-type]
+    small = seq(4, start=5000, caller="b")
+    sched.add(small)
+    admitted_at = None
+    for step in range(1, 4):
+        batch = sched.schedule()
+        assert batch is not None
+        if small in batch.seqs:
+            admitted_at = step
+            break
+        run(sched, batch)
+    assert admitted_at is not None and admitted_at <= 2
+    assert not any(b in batch.seqs for b in branches)  # still waiting for the leader's prompt
+    assert leader.num_computed_tokens < leader.num_prompt_tokens - 1
+
+
 def test_aborted_waiting_sequences_are_skipped() -> None:
     sched = make()
     s = seq(3)
