@@ -28,13 +28,20 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import msgspec
+from jinja2 import TemplateError
 from litestar import Request, Response, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from router import api_types
 from router.calls import Completion
-from router.errors import BadRequestError, RouterError, UnavailableError, anthropic_error_body
+from router.errors import (
+    BadRequestError,
+    ModelNotFoundError,
+    RouterError,
+    UnavailableError,
+    anthropic_error_body,
+)
 from router.openai_responses import chat_chunks
 from router.routes import _ERRORS, _context, _respond, _service, error_response
 from router.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
@@ -242,7 +249,11 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     fmt = (output_config or {}).get("format")
     if fmt is None:
         return None
-    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
         raise BadRequestError(
             "output_config.format: must be {'type': 'json_schema', 'schema': {...}}.",
             param="output_config.format",
@@ -257,6 +268,7 @@ _PARAMS = {
     "response_format": "output_config.format",
     "tool_choice": "tool_choice",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "user": "metadata.user_id",
 }
 
 
@@ -290,10 +302,18 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     }
     if req.stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return _convert(body)
+
+
+def _convert(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The internal request; a value it cannot hold is a 400 naming the Messages API's field."""
     try:
         return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
     except msgspec.ValidationError as exc:
-        raise BadRequestError(f"Invalid request: {exc}", param="messages") from exc
+        text = str(exc)
+        where = text.split("at `$.", 1)[1].split("`", 1)[0] if "at `$." in text else "messages"
+        param = _renamed(where.split("[", 1)[0])
+        raise BadRequestError(f"{param}: {text}", param=param) from exc
 
 
 # -- answer translation ---------------------------------------------------------------------------
@@ -552,10 +572,15 @@ def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> in
         "parallel_tool_calls": parallel,
         "response_format": _response_format(req.output_config),
     }
-    chat = msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    if req.model not in _service(request).model_names():
+        raise ModelNotFoundError(f"model: {req.model[:100]}", param="model")
+    chat = _convert(body)
     messages = rendered(chat, output_spec(chat))
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:
+            raise BadRequestError(f"messages: {exc}", param="messages", code="invalid_messages") from exc
         return len(out["input_ids"] if isinstance(out, Mapping) else out)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
     return len(tokenizer.encode(text))

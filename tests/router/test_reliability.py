@@ -30,11 +30,14 @@ def small_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     stop()
 
 
-def error_body_ok(r: httpx.Response) -> bool:
+def error_body_ok(r: httpx.Response, *, anthropic: bool = False) -> bool:
+    """OpenAI's error shape, or Anthropic's (``anthropic``: the /v1/messages routes)."""
     try:
         body = r.json()
     except json.JSONDecodeError:
         return False
+    if anthropic:
+        return set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}
     return set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
 
 
@@ -283,7 +286,8 @@ def test_generated_requests_never_cause_a_5xx(server: Server) -> None:
             if resp.status_code >= 500 and resp.status_code != 503:
                 failures.append(f"{where}: {resp.status_code} {resp.text[:200]}")
             elif 400 <= resp.status_code < 500 and not error_body_ok(
-                httpx.Response(resp.status_code, content=resp.content)
+                httpx.Response(resp.status_code, content=resp.content),
+                anthropic=case.path.startswith("/v1/messages"),  # type: ignore[attr-defined]
             ):
                 failures.append(f"{where}: {resp.status_code} body not OpenAI-shaped: {resp.text[:200]}")
 
