@@ -28,6 +28,7 @@ from classifier.evaluate import classification_metrics
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_P50_MS, TARGET_P99_MS = 0.5, 1.0
+ROUTING_TARGET_P99_MS = 0.5
 WORDS = 200
 
 
@@ -155,9 +156,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load_jsonl(HELDOUT_PATH)
     prompts = [r["prompt"] for r in rows]
     long = long_prompts(prompts)
+    routing = ComplexityClassifier.load()
     long_wall, long_cpu = latencies_ms(clf, long, args.repeat)
     held_wall, held_cpu = latencies_ms(clf, prompts, 3)
-    lat = {f"~{WORDS}-word prompts": long_wall, "held-out prompts": held_wall}
+    route_wall, route_cpu = latencies_ms(routing, long, args.repeat)
+    lat = {
+        f"~{WORDS}-word prompts": long_wall,
+        "held-out prompts": held_wall,
+        f"routing score, ~{WORDS} words": route_wall,
+    }
     batch = [prompts[i : i + 64] for i in range(0, len(prompts), 64)]
     start = time.perf_counter()
     scores = [s for chunk in batch for s in clf.score_batch(chunk)]
@@ -191,6 +198,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "cpu": summary(long_cpu),
             },
             "heldout_prompts": {**summary(held_wall), "cpu": summary(held_cpu)},
+            "routing_score_long_prompts": {
+                "model": str(routing.path),
+                "version": routing.version,
+                **summary(route_wall),
+                "cpu": summary(route_cpu),
+                "target_p99_ms": ROUTING_TARGET_P99_MS,
+                "meets_target": summary(route_wall)["p99_ms"] <= ROUTING_TARGET_P99_MS,
+            },
             "load_average_1_5_15": list(os.getloadavg()),
             "batched_64_ms_per_prompt": batch_ms,
             "targets_ms": {"p50": TARGET_P50_MS, "p99": TARGET_P99_MS},

@@ -1,84 +1,138 @@
-"""Routing quality: RouteLLM's APGR / CPT of the shipped score against prompt length and random.
+"""Routing quality: RouteLLM's APGR of the shipped score per task family, against prompt length and random.
 
-    python -m benchmarks.routing_quality [--outcomes ../shared/data/routing/mmlu_outcomes.jsonl.gz]
+    python -m benchmarks.routing_quality [--no-cv] [--no-latency] [--draws 200]
 
-On MMLU outcomes (Mixtral-8x7B-Instruct vs GPT-4-1106, from RouteLLM), for the routers:
+Outcome data (read from ../shared/data/routing, never copied here):
 
-* ``value``: the shipped outcome-trained score (``ComplexityClassifier.load().score().value``);
-* ``complexity value``: the earlier complexity-taxonomy model (classifier/artifacts/complexity);
-* ``prompt length``: characters, longest to the strong model first;
-* ``random``: the mean over 50 random routers.
+* MMLU (Mixtral-8x7B-Instruct vs GPT-4-1106, RouteLLM): the 14 hash-chosen subjects the shipped
+  artifact never saw, pooled and per MMLU category (STEM, humanities, social sciences, other);
+* difficulty_7b (maths word problems, pre-algebra, Python, JavaScript; pass rates of seven 7-8B
+  models) under two pairs: Mistral-7B base vs dolphin-2.9-llama3-8b (the pair training reads)
+  and vs dolphin-2.6-mistral-7b (a pair training never reads). The two pairs whose gain is
+  positive in every family; MetaMath's gain on code is nil, so its APGR there is undefined.
 
-Two evaluations, both on subjects the model under test never saw:
+Routers: ``value`` (the shipped score), ``previous`` (the previous configuration - log counts of
+domain cues, no 7-8B rows - refitted here on the same data), prompt length (characters) and
+random (mean of 50). Every APGR has a 95 % percentile bootstrap interval.
 
-1. **held-out subjects**: the 14 subjects (by hash) that the shipped artifact was trained without;
-2. **subject-grouped 5-fold cross-validation**: every subject scored by a model retrained (same
-   configuration, same proxy corpus) without it, pooled into one ranking: a wider, noisier
-   check that the held-out figure is not luck of the draw.
-
-Plus the classifier's latency on a 200-word prompt. Writes benchmarks/results/routing_quality.json
-and routing_quality.png (PGR curves on the held-out subjects).
+**Leave-one-family-out** (the honest figure for a family the score never saw): each family of
+each set is scored by the recipe refitted without any row of that family (MMLU categories,
+difficulty_7b families). **Model selection** reads the worst family over all LOFO tables: for
+each candidate configuration, ``min over families of min(APGR - length, APGR - random)``; the
+shipped configuration must have the largest. Plus the subject-grouped 5-fold CV on MMLU and
+the score's latency on a 200-word prompt. Writes benchmarks/results/routing_quality.json and
+routing_quality.png (LOFO APGR per family with intervals, beside length and random).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from benchmarks.common import plot_path, write_json
 from classifier import ComplexityClassifier
-from classifier.inference import COMPLEXITY_DIR
+from classifier.evaluate import lofo_fitter
 from classifier.outcome_train import (
+    COUNTS_CONFIG,
+    DIFFICULTY_7B,
+    DIFFICULTY_PAIR,
     DROPPED_SUBJECTS,
+    MMLU_OUTCOMES,
     OUTCOME_CONFIG,
     PROXY_PATH,
+    OutcomeConfig,
     fit_outcomes,
     outcome_proba,
+    training_rows,
 )
-from classifier.outcomes import heldout_subjects, load_outcomes, plot_curves, random_apgr, routing_metrics
+from classifier.outcomes import (
+    OutcomeRow,
+    heldout_subjects,
+    load_outcomes,
+    random_apgr,
+    routing_metrics,
+)
 from classifier.selection import LATENCY_PROMPT
+from classifier.validation import LENGTH, RANDOM, family_table, lofo_values, worst_family
 
-DEFAULT_OUTCOMES = Path(__file__).resolve().parents[2] / "shared/data/routing/mmlu_outcomes.jsonl.gz"
 FOLDS = 5
+SECOND_PAIR = (DIFFICULTY_PAIR[0], "cognitivecomputations/dolphin-2.6-mistral-7b")
+CANDIDATES: dict[str, OutcomeConfig] = {"shipped": OUTCOME_CONFIG, "previous": COUNTS_CONFIG}
 
 
-def _summary(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: round(float(m[k]), 4) for k in ("apgr", "cpt_50", "cpt_80")}
+def _short(model: str) -> str:
+    return model.rsplit("/", maxsplit=1)[-1]
 
 
-def _routers(rows: list[dict[str, Any]], value: list[float], complexity: list[float]) -> dict[str, Any]:
-    weak, strong = [r["weak"] for r in rows], [r["strong"] for r in rows]
-    out = {
-        "value": routing_metrics(value, weak, strong),
-        "complexity value": routing_metrics(complexity, weak, strong),
-        "prompt length": routing_metrics([len(r["prompt"]) for r in rows], weak, strong),
+def eval_sets() -> dict[str, list[OutcomeRow]]:
+    """The evaluation sets: held-out MMLU subjects and difficulty_7b under the two pairs."""
+    mmlu = load_outcomes(MMLU_OUTCOMES)
+    held = set(heldout_subjects([r["subject"] for r in mmlu]))
+    sets = {"mmlu held-out subjects": [r for r in mmlu if r["subject"] in held]}
+    for pair in (DIFFICULTY_PAIR, SECOND_PAIR):
+        sets[f"difficulty_7b {_short(pair[0])} vs {_short(pair[1])}"] = load_outcomes(
+            DIFFICULTY_7B, pair=pair
+        )
+    return sets
+
+
+def _fitted(config: OutcomeConfig) -> Any:
+    rows, weights, _, _ = training_rows(MMLU_OUTCOMES, config, (PROXY_PATH,), (), (DIFFICULTY_7B,))
+    return fit_outcomes(rows, config, weights)
+
+
+def lofo_tables(
+    config: OutcomeConfig, sets: dict[str, list[OutcomeRow]], draws: int
+) -> dict[str, dict[str, Any]]:
+    """LOFO table per evaluation set; a family's refit is shared by the sets that hold it."""
+    fit_without = lofo_fitter(config)
+    cache: dict[str, Any] = {}
+
+    def cached(family: str) -> Any:
+        if family not in cache:
+            cache[family] = fit_without(family)
+        return cache[family]
+
+    return {
+        name: family_table(rows, {"value": lofo_values(rows, cached)}, draws) for name, rows in sets.items()
     }
-    return out
+
+
+def selection(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Worst LOFO family of each candidate over every set; the winner has the largest worst margin."""
+    out: dict[str, Any] = {}
+    for name, per_set in tables.items():
+        worst = [dict(worst_family(t, "value"), set=s) for s, t in per_set.items()]
+        out[name] = min(worst, key=lambda w: w["margin"])
+    best = max(out, key=lambda n: out[n]["margin"])
+    return {"worst_family": out, "selected": best}
 
 
 def grouped_cv(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pooled out-of-fold APGR: folds of whole subjects, each scored by a model trained without them."""
+    """Pooled out-of-fold APGR on MMLU: folds of whole subjects, each scored by a refit without them."""
     from sklearn.model_selection import GroupKFold
 
     proxy = load_outcomes(PROXY_PATH)
+    rated = load_outcomes(DIFFICULTY_7B, pair=OUTCOME_CONFIG.difficulty_pair)
     subjects = np.array([r["subject"] for r in rows])
     oof = np.zeros(len(rows))
     for train_idx, test_idx in GroupKFold(n_splits=FOLDS).split(rows, groups=subjects):
-        train = [rows[i] for i in train_idx] + proxy
+        train = [rows[i] for i in train_idx] + proxy + rated
         weights = [1.0] * len(train_idx) + [OUTCOME_CONFIG.proxy_weight] * len(proxy)
+        weights += [OUTCOME_CONFIG.difficulty_weight] * len(rated)
         pipeline = fit_outcomes(train, OUTCOME_CONFIG, weights)
         oof[test_idx] = outcome_proba(pipeline, [rows[i]["prompt"] for i in test_idx])
     weak, strong = [r["weak"] for r in rows], [r["strong"] for r in rows]
     return {
         "n": len(rows),
         "folds": FOLDS,
-        "value": _summary(routing_metrics(oof, weak, strong)),
-        "prompt length": _summary(routing_metrics([len(r["prompt"]) for r in rows], weak, strong)),
-        "random": {"apgr": round(random_apgr(weak, strong), 4)},
+        "value": round(routing_metrics(oof, weak, strong)["apgr"], 4),
+        LENGTH: round(routing_metrics([len(r["prompt"]) for r in rows], weak, strong)["apgr"], 4),
+        RANDOM: round(random_apgr(weak, strong), 4),
     }
 
 
@@ -99,66 +153,93 @@ def latency(clf: ComplexityClassifier, runs: int = 2000) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def plot(lofo: dict[str, dict[str, Any]], shipped: dict[str, dict[str, Any]], path: Any) -> None:
+    """One panel per set: LOFO APGR (and shipped, in-sample) per family, with intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(lofo), figsize=(6.0 * len(lofo), 4.6), dpi=100)
+    for ax, (name, table) in zip(np.atleast_1d(axes), lofo.items(), strict=True):
+        families = [f for f, e in table.items() if e.get("judged")]
+        x = np.arange(len(families))
+        bars = [
+            ("value, leave-one-family-out", [table[f]["value"] for f in families]),
+            ("value (shipped)", [shipped[name][f]["value"] for f in families]),
+            (LENGTH, [table[f][LENGTH] for f in families]),
+        ]
+        for i, (label, blocks) in enumerate(bars):
+            mid = np.array([b["apgr"] for b in blocks])
+            lo = mid - np.array([b["ci95"][0] for b in blocks])
+            hi = np.array([b["ci95"][1] for b in blocks]) - mid
+            ax.bar(x + (i - 1) * 0.27, mid, width=0.27, yerr=[lo, hi], capsize=2, label=label)
+        ax.scatter(
+            x, [table[f][RANDOM]["apgr"] for f in families], color="k", marker="_", s=300, label=RANDOM
+        )
+        ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)
+        ax.set_xticks(x, [f.replace("mmlu_", "") for f in families], rotation=20, fontsize=8)
+        ax.set_ylim(0.2, 1.0)
+        ax.set_ylabel("APGR (95 % bootstrap)")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.routing_quality", description=__doc__)
-    parser.add_argument("--outcomes", default=str(DEFAULT_OUTCOMES))
-    parser.add_argument("--no-cv", action="store_true", help="skip the cross-validation (a few seconds)")
-    parser.add_argument(
-        "--no-latency",
-        action="store_true",
-        help="skip the latency run (for a machine busy with other timing)",
-    )
+    parser.add_argument("--no-cv", action="store_true", help="skip the MMLU subject-grouped CV")
+    parser.add_argument("--no-latency", action="store_true", help="skip the latency run")
+    parser.add_argument("--draws", type=int, default=200, help="bootstrap draws per interval")
     args = parser.parse_args(argv)
 
-    rows = load_outcomes(args.outcomes)
-    held = set(heldout_subjects([r["subject"] for r in rows]))
-    test = [r for r in rows if r["subject"] in held]
-    clf, old = ComplexityClassifier.load(), ComplexityClassifier.load(COMPLEXITY_DIR)
-    prompts = [r["prompt"] for r in test]
-    value = [s.value for s in clf.score_batch(prompts)]
-    complexity = [s.value for s in old.score_batch(prompts)]
-    curves = _routers(test, value, complexity)
-    weak, strong = [r["weak"] for r in test], [r["strong"] for r in test]
-    per_subject = {}
-    for subject in sorted(held):
-        idx = [i for i, r in enumerate(test) if r["subject"] == subject]
-        w, s = [weak[i] for i in idx], [strong[i] for i in idx]
-        if sum(s) == sum(w):
-            continue
-        per_subject[subject] = {
-            "n": len(idx),
-            "value": round(routing_metrics([value[i] for i in idx], w, s)["apgr"], 4),
-            "prompt length": round(routing_metrics([len(test[i]["prompt"]) for i in idx], w, s)["apgr"], 4),
+    sets = eval_sets()
+    clf = ComplexityClassifier.load()
+    previous = _fitted(COUNTS_CONFIG)
+    shipped: dict[str, Any] = {}
+    for name, rows in sets.items():
+        prompts = [r["prompt"] for r in rows]
+        routers: dict[str, Any] = {
+            "value": [s.value for s in clf.score_batch(prompts)],
+            "previous": outcome_proba(previous, prompts),
         }
+        shipped[name] = family_table(rows, routers, args.draws)
+    lofo = {name: lofo_tables(config, sets, args.draws) for name, config in CANDIDATES.items()}
     result: dict[str, Any] = {
-        "outcomes": Path(args.outcomes).name,
-        "heldout": {
-            "subjects": sorted(held),
-            "n": len(test),
-            "weak_performance": round(curves["value"]["weak_performance"], 4),
-            "strong_performance": round(curves["value"]["strong_performance"], 4),
-            **{name: _summary(m) for name, m in curves.items()},
-            "random": {"apgr": round(random_apgr(weak, strong), 4)},
-            "curves": {name: m["curve"] for name, m in curves.items()},
-            "per_subject_apgr": per_subject,
-        },
+        "data": {"mmlu": MMLU_OUTCOMES.name, "difficulty": DIFFICULTY_7B.name},
+        "pairs": {"trained on": list(DIFFICULTY_PAIR), "second": list(SECOND_PAIR)},
+        "shipped": shipped,
+        "lofo": lofo["shipped"],
+        "lofo_previous": lofo["previous"],
+        "selection": selection(lofo),
     }
     if not args.no_latency:
         result["latency_200_words"] = latency(clf)
     if not args.no_cv:
-        kept = [r for r in rows if r["subject"] not in DROPPED_SUBJECTS]
-        result["grouped_cv"] = grouped_cv(kept)
-    plot_curves(
-        curves, plot_path("routing_quality"), f"MMLU, {len(held)} held-out subjects ({len(test)} prompts)"
-    )
+        mmlu = [r for r in load_outcomes(MMLU_OUTCOMES) if r["subject"] not in DROPPED_SUBJECTS]
+        result["grouped_cv"] = grouped_cv(mmlu)
+    plot(lofo["shipped"], shipped, plot_path("routing_quality"))
     path = write_json("routing_quality", result)
-    table = [("held-out subjects", result["heldout"])]
+    print("| set | family | n | gap | value (shipped) | value LOFO | previous | length | random |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, table in shipped.items():
+        for family, e in table.items():
+            if not e.get("judged"):
+                continue
+            lo = lofo["shipped"][name][family]["value"]
+
+            def cell(b: dict[str, Any]) -> str:
+                return f"{b['apgr']:.3f} [{b['ci95'][0]:.2f}, {b['ci95'][1]:.2f}]"
+
+            print(
+                f"| {name} | {family} | {e['n']} | {e['gap']:+.3f} | {cell(e['value'])} | {cell(lo)} | "
+                f"{cell(e['previous'])} | {cell(e[LENGTH])} | {e[RANDOM]['apgr']:.3f} |"
+            )
+    print(f"selection (worst LOFO family): {result['selection']}")
     if "grouped_cv" in result:
-        table.append(("grouped 5-fold CV", result["grouped_cv"]))
-    print("| evaluation | value | prompt length | random |")
-    print("|---|---|---|---|")
-    for name, r in table:
-        print(f"| {name} | {r['value']['apgr']} | {r['prompt length']['apgr']} | {r['random']['apgr']} |")
+        print(f"MMLU grouped CV: {result['grouped_cv']}")
     print(f"wrote {path}")
     return 0
 

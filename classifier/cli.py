@@ -14,7 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cmd_calibrate", "cmd_evaluate", "cmd_train", "cmd_train_outcomes", "main", "register"]
+__all__ = [
+    "cmd_calibrate",
+    "cmd_evaluate",
+    "cmd_judge",
+    "cmd_train",
+    "cmd_train_outcomes",
+    "main",
+    "register",
+]
 
 
 def _fail(message: str) -> int:
@@ -179,6 +187,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_judge(args: argparse.Namespace) -> int:
+    from classifier.judge import SCORERS, judge_shadow_log
+
+    for path in (args.shadow, args.references):
+        if not Path(path).is_file():
+            return _fail(f"no such file: {path}")
+    if args.scorer not in SCORERS:
+        return _fail(f"unknown scorer {args.scorer!r} (one of {sorted(SCORERS)})")
+    try:
+        summary = judge_shadow_log(args.shadow, args.references, args.out, args.scorer)
+    except (ValueError, json.JSONDecodeError) as exc:
+        return _fail(str(exc))
+    print(json.dumps({"out": str(args.out), "scorer": args.scorer, **summary}))
+    return 0
+
+
 def register(subparsers: Any) -> None:
     """Add ``classifier {train,evaluate,calibrate}`` to an argparse subparsers object."""
     parser = subparsers.add_parser(
@@ -256,6 +280,15 @@ def _add_commands(sub: Any) -> None:
     p.add_argument("--model", help="model directory or model.onnx (default: the shipped artifact)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser(
+        "judge", help="score a shadow log's answers against references: outcome rows to train on"
+    )
+    p.add_argument("--shadow", required=True, help="shadow log (JSONL, as shadow mode writes it)")
+    p.add_argument("--references", required=True, help='JSONL lines {"id" or "prompt", "reference"}')
+    p.add_argument("--scorer", default="exact", help="exact | number | contains (default: exact)")
+    p.add_argument("--out", required=True, help="judged outcome rows (JSONL) for train --extra")
+    p.set_defaults(func=cmd_judge)
 
     p = sub.add_parser("calibrate", help="score_below thresholds that give target traffic shares")
     p.add_argument("--data", required=True, help='JSONL lines {"prompt": ...} (label optional)')

@@ -15,6 +15,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
+from router.admin import ADMIN_ROUTES
 from router.anthropic_messages import MESSAGES_ROUTES
 from router.auth import Authenticator
 from router.backends import TierSet
@@ -55,7 +56,7 @@ def create_app(
         reload_interval_s=reload_interval_s,
     )
     return Litestar(
-        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES],
+        route_handlers=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *ADMIN_ROUTES],
         lifespan=[lifespan],
         middleware=[router_middleware],
         exception_handlers={Exception: error_response},

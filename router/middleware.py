@@ -3,9 +3,9 @@ server span and ``Server-Timing``.
 
 Paths fall in three groups:
 - public: ``/healthz`` (alias ``/health``) and ``/readyz`` (probes; they say nothing about internals);
-- operator: ``/metrics``, ``/dashboard``, ``/schema``. With a separate admin listener (``serve``'s
-  default) they exist only there, unauthenticated, and the API port answers 404; without one they
-  need an API key like everything else;
+- operator: ``/metrics``, ``/dashboard``, ``/schema``, ``/admin/...`` (router/admin.py). With a
+  separate admin listener (``serve``'s default) they exist only there, unauthenticated, and the
+  API port answers 404; without one they need an API key like everything else;
 - the API: everything else, behind the policy's auth mode.
 """
 
@@ -45,7 +45,7 @@ LISTENER_KEY = "router.listener"
 
 
 def is_operator_path(path: str) -> bool:
-    return path in OPERATOR_PATHS or path.startswith("/schema/")
+    return path in OPERATOR_PATHS or path.startswith(("/schema/", "/admin/"))
 
 
 def admin_listener(app: Any) -> Any:
