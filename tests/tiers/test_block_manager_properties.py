@@ -11,6 +11,7 @@ partial hit copies it), independently of the manager's bookkeeping.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, assume, settings
@@ -266,7 +267,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=int(os.environ.get("TIERED_ROUTER_PROPERTY_EXAMPLES", "150")),
+    # Fixed examples where a count is given (make mutation: every mutant meets the same ones).
+    derandomize="TIERED_ROUTER_PROPERTY_EXAMPLES" in os.environ,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],

@@ -12,6 +12,7 @@ callers) and the pool is whole again.
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -255,7 +256,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=int(os.environ.get("TIERED_ROUTER_PROPERTY_EXAMPLES", "100")),
+    # Fixed examples where a count is given (make mutation: every mutant meets the same ones).
+    derandomize="TIERED_ROUTER_PROPERTY_EXAMPLES" in os.environ,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
