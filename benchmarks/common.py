@@ -124,9 +124,15 @@ def percentile(values: list[float], q: float) -> float:
 
 @contextmanager
 def serve(
-    policy: str | Path, port: int, *, log_level: str = "warning", extra_args: tuple[str, ...] = ()
+    policy: str | Path,
+    port: int,
+    *,
+    log_level: str = "warning",
+    extra_args: tuple[str, ...] = (),
+    ready_timeout_s: float = 600,
 ) -> Iterator[tuple[str, int]]:
-    """Run ``tiered-router serve`` as a subprocess until every tier is ready; yields (url, pid)."""
+    """Run ``tiered-router serve`` as a subprocess until every tier is ready (within
+    ``ready_timeout_s``); yields (url, pid)."""
     import httpx
 
     root = Path(__file__).resolve().parents[1]
@@ -153,7 +159,7 @@ def serve(
         env=env,
     )
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             try:
                 if httpx.get(url + "/readyz", timeout=1).status_code == 200:
