@@ -280,6 +280,8 @@ class Scheduler:
             contended = bool(self.waiting or batch.seqs)
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, contended)
             want = self._spec_wanted(seq) if n == 1 else 0
+            if want and not seq.draft_table.blocks and seq.num_draft_computed_tokens == 0:
+                self._attach_draft_prefix(seq)  # released while speculation was off: find its blocks
             lag = seq.num_tokens - seq.num_draft_computed_tokens
             k = min(want, budget - n) if lag <= MAX_DRAFT_CATCHUP else 0
             while not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n + k):
@@ -403,9 +405,16 @@ class Scheduler:
         """``follow_draft``: the draft feeds this step too (prefill chunks, and decodes that want
         to speculate); a decode that does not speculate leaves the draft behind, to be caught up
         in chunks when speculation pays again."""
-        draft_n = self._draft_feed(seq, n, k) if follow_draft else 0
-        if k and draft_n < 0:
-            k, draft_n = 0, self._draft_feed(seq, n, 0)
+        if self.draft_blocks is not None and not k and not self._may_speculate(seq):
+            # Speculation is off for this row: the draft is not fed (work for nothing while it
+            # stays off) and holds none of the lower tier's pool, which that tier's own requests
+            # need; its full blocks keep their names and are found again when speculation resumes.
+            self._release_draft(seq)
+            draft_n = 0
+        else:
+            draft_n = self._draft_feed(seq, n, k) if follow_draft else 0
+            if k and draft_n < 0:
+                k, draft_n = 0, self._draft_feed(seq, n, 0)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.num_spec_tokens.append(k)
@@ -417,6 +426,8 @@ class Scheduler:
         cannot be had (the row then runs without drafting)."""
         if self.draft_blocks is None:
             return 0
+        if not seq.draft_table.blocks and seq.num_draft_computed_tokens == 0:
+            self._attach_draft_prefix(seq)  # released while speculation was off: find its blocks
         dc = seq.num_draft_computed_tokens
         if k:
             end = seq.num_tokens
@@ -430,6 +441,16 @@ class Scheduler:
         if not self.draft_blocks.allocate(seq.draft_table, dc + feed + max(0, k - 1)):
             return -1
         return feed
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        """The engine speculates this step and ``seq`` may draft (no ``spec_budget``: always)."""
+        return self.spec_budget is None or self.spec_budget(seq) > 0
+
+    def _release_draft(self, seq: Sequence) -> None:
+        assert self.draft_blocks is not None
+        if seq.draft_table.blocks:
+            self.draft_blocks.free(seq.draft_table, seq.token_ids, seq.num_draft_computed_tokens)
+        seq.num_draft_computed_tokens = 0
 
     def _may_fork(self, seq: Sequence) -> bool:
         """``n > 1`` branches wait until their first branch has computed the prompt, then share

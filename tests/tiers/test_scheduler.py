@@ -143,6 +143,59 @@ def test_speculative_tokens_count_against_the_budget_and_need_blocks() -> None:
     assert a.draft_table.num_blocks == 2  # 4 + 2 fed + 2 proposals fed = 8 tokens
 
 
+def test_a_tier_not_speculating_holds_none_of_the_lower_tiers_pool() -> None:
+    # Catches: every prompt chunk of a drafting tier reserving draft blocks in the lower tier's
+    # pool even while speculation is off - an upper request held 15/16 of that pool for its whole
+    # life, and the lower tier's own request could not be admitted until it finished.
+    lower_pool = BlockManager(16, 4)
+    lower = Scheduler(SchedulerConfig(max_num_batched_tokens=64), lower_pool)
+    speculating = False
+    upper = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64),
+        BlockManager(64, 4),
+        lower_pool,
+        spec_budget=lambda s: 3 if speculating else 0,
+    )
+    big = seq(40)  # 10 of the lower pool's 16 blocks once its draft is fed
+    upper.add(big)
+    for _ in range(3):  # its prompt in one chunk, then two decodes
+        run(upper, upper.schedule())  # type: ignore[arg-type]
+    assert lower_pool.num_used_blocks == 0
+    mine = seq(20, start=500)  # the lower tier's own request: 5 of its 16 blocks
+    lower.add(mine)
+    batch = lower.schedule()
+    assert batch is not None and batch.seqs == [mine] and not batch.preempted
+    run(lower, batch)
+    lower.finish(mine, SequenceStatus.FINISHED_STOPPED, "stop")  # it completes meanwhile
+    # Speculation resumes: the draft is caught up in chunks, then drafts.
+    speculating = True
+    for _ in range(10):
+        batch = upper.schedule()
+        assert batch is not None
+        i = batch.seqs.index(big)
+        if batch.num_spec_tokens[i]:
+            break
+        assert batch.num_draft_tokens[i] > 0
+        big.num_draft_computed_tokens += batch.num_draft_tokens[i]  # the engine's catch-up feed
+        upper.cache_blocks(big)
+        run(upper, batch)
+    assert batch.num_spec_tokens[i] == 3 and big.draft_table.num_blocks > 0
+    used_with_draft = lower_pool.num_used_blocks
+    run(upper, batch)
+    big.num_draft_computed_tokens = big.num_tokens - 1
+    upper.cache_blocks(big)
+    # Off again: its draft blocks go back to the lower tier's pool, named.
+    speculating = False
+    run(upper, upper.schedule())  # type: ignore[arg-type]
+    assert big.draft_table.num_blocks == 0 and big.num_draft_computed_tokens == 0
+    assert lower_pool.num_used_blocks < used_with_draft
+    # Back on: its named blocks are found again, not recomputed from the start.
+    speculating = True
+    batch = upper.schedule()
+    assert batch is not None
+    assert big.num_draft_computed_tokens >= 40
+
+
 def test_a_draft_out_of_blocks_just_does_not_speculate() -> None:
     draft = BlockManager(1, 4)
     sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), draft, spec_budget=lambda s: 3)
