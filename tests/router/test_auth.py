@@ -266,3 +266,98 @@ def test_an_unreadable_keys_file_keeps_the_last_good_keys(tmp_path: Path) -> Non
     path.write_text("# no keys any more\n")
     assert auth.refresh() is True
     assert auth.authenticate({"authorization": "Bearer sk-new"}) is None
+
+
+# -- unit: key parsing, sources, fingerprints, tenants (no server) ---------------------------------
+
+
+def test_unit_keys_parse_every_separator_and_skip_the_rest() -> None:
+    parsed = ApiKeys.parse(" a:t1 ,b\n\n# c:x\n  d : t4 \n:orphan\ne:\n f")
+    assert parsed == {"a": "t1", "b": None, "d": "t4", "e": None, "f": None}
+    keys = ApiKeys(parsed)
+    assert len(keys) == 5 and keys.enabled
+    assert len(ApiKeys({})) == 0
+
+
+def test_unit_lookup_checks_scheme_token_and_names_the_key_by_fingerprint() -> None:
+    import hashlib
+
+    keys = ApiKeys({"k1": "t1", "k2": None})
+    fingerprint = "key-" + hashlib.sha256(b"k2").hexdigest()[:12]
+    assert keys.lookup("Bearer k1") == ("t1", "key-" + hashlib.sha256(b"k1").hexdigest()[:12])
+    assert keys.lookup("  BEARER   k2  ") == (None, fingerprint)
+    for bad in (None, "", "Bearer", "Bearer   ", "Basic k1", "Bearerk1", "k1", "Bearer k3", "Bearer K1"):
+        assert keys.lookup(bad) is None, bad
+        assert keys.authenticate(bad) is False
+    assert keys.authenticate("Bearer k2") is None and keys.authenticate("Bearer k1") == "t1"
+
+
+def test_unit_keys_load_from_env_and_file_and_each_empty_source_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.auth import load_entries
+    from router.policy.schema import AuthConfig
+
+    path = tmp_path / "keys"
+    path.write_text("f1:tf\nshared:from-file\n")
+    monkeypatch.setenv("UNIT_KEYS", "e1:te, shared:from-env")
+    entries, problems = load_entries(AuthConfig(api_keys_env="UNIT_KEYS", api_keys_file=str(path)))
+    assert entries == {"e1": "te", "shared": "from-file", "f1": "tf"} and problems == []
+    monkeypatch.setenv("UNIT_KEYS", "")
+    path.write_text("# none\n")
+    entries, problems = load_entries(AuthConfig(api_keys_env="UNIT_KEYS", api_keys_file=str(path)))
+    assert entries == {}
+    assert problems == ["$UNIT_KEYS is unset or empty", f"api_keys_file {path} holds no key"]
+    monkeypatch.delenv("UNIT_KEYS")
+    entries, problems = load_entries(AuthConfig(api_keys_env="UNIT_KEYS", api_keys_file=str(tmp_path / "no")))
+    assert (
+        entries == {} and problems[1] == f"api_keys_file {tmp_path / 'no'} cannot be read (FileNotFoundError)"
+    )
+    assert load_entries(AuthConfig()) == (
+        {},
+        ["neither service.auth.api_keys_env nor service.auth.api_keys_file is set"],
+    )
+
+
+def test_unit_keys_mode_without_a_key_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.auth import Authenticator
+    from router.errors import PolicyError
+    from router.policy.loader import parse_policy
+
+    base = "tiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n"
+    monkeypatch.delenv("UNIT_KEYS", raising=False)
+    with pytest.raises(PolicyError, match=r"UNIT_KEYS is unset or empty") as err:
+        Authenticator.from_policy(parse_policy(base + "service: {auth: {api_keys_env: UNIT_KEYS}}\n"))
+    assert "mode: open" in str(err.value)
+    monkeypatch.setenv("UNIT_KEYS", "k:t")
+    path = tmp_path / "empty"
+    path.write_text("")
+    auth = Authenticator.from_policy(
+        parse_policy(base + f"service: {{auth: {{api_keys_env: UNIT_KEYS, api_keys_file: {path}}}}}\n")
+    )
+    assert not auth.open and auth.authenticate({"authorization": "Bearer k"}) == Caller("t", "t")
+    assert ApiKeys.from_policy(parse_policy(base + "service: {auth: {api_keys_env: UNIT_KEYS}}\n")).enabled
+    opened = Authenticator.from_policy(parse_policy(base + "service: {auth: {mode: open}}\n"))
+    assert opened.open and not opened.keys.enabled and opened.refresh() is False
+    assert opened.authenticate({}) == Caller(None, None)
+
+
+def test_unit_the_tenant_header_is_trimmed_bounded_and_only_fills_a_gap() -> None:
+    from router.auth import MAX_TENANT_CHARS, Authenticator
+    from router.policy.schema import AuthConfig
+
+    trusted = Authenticator(AuthConfig(mode="open", trust_tenant_header=True), ApiKeys({}))
+    assert trusted.authenticate({"x-tenant": "  acme  "}) == Caller("acme", "acme")
+    assert trusted.authenticate({"x-tenant": "   "}) == Caller(None, None)
+    long = "t" * (MAX_TENANT_CHARS + 10)
+    assert trusted.authenticate({"x-tenant": long}) == Caller(
+        long[:MAX_TENANT_CHARS], long[:MAX_TENANT_CHARS]
+    )
+    keyed = Authenticator(AuthConfig(trust_tenant_header=True), ApiKeys({"k2": None}))
+    fp = ApiKeys({"k2": None}).lookup("Bearer k2")
+    assert fp is not None
+    assert keyed.authenticate({"authorization": "Bearer k2"}) == Caller(None, fp[1])  # the key's fingerprint
+    untrusted = Authenticator(AuthConfig(), ApiKeys({"k2": None}))
+    assert untrusted.authenticate({"authorization": "Bearer k2", "x-tenant": "acme"}) == Caller(None, fp[1])
