@@ -9,7 +9,7 @@ POLICY ?= policies/default.yaml
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install kernels models sysdeps run test test-fast lint bench clean
+.PHONY: install kernels models sysdeps run test test-fast lint bench mutation clean
 
 install: $(STAMP) kernels
 
@@ -62,6 +62,12 @@ bench: models
 	$(BIN)/python -m benchmarks.routing_overhead
 	$(BIN)/python -m benchmarks.cache
 	$(BIN)/python -m benchmarks.load
+
+# Mutation score of the riskiest modules against their own fast tests (mutmut; minutes per module,
+# one module at a time under nice): benchmarks/results/mutation.json. Not part of `make test`.
+# MODULES="tiers/scheduler.py" runs some.
+mutation: $(STAMP) sysdeps
+	$(BIN)/python -m benchmarks.mutation $(MODULES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,205 @@
+"""Mutation score of the riskiest modules, each against only its own fast tests (``make mutation``).
+
+The tester is mutmut 3 (chosen over cosmic-ray, both measured on ``tiers/block_manager.py``):
+mutmut imports the code and runs the suite once, then forks one process per mutant from a warm
+server and runs only the tests that reach the mutated function, switching mutants through a
+trampoline in a copy of the sources; cosmic-ray rewrites the file in place and starts a fresh
+test process per mutant, which here costs a torch import (seconds) per mutant and would mutate the
+working tree other processes read. Each module runs in a copy of the repository under a temporary
+directory, one module at a time, under ``nice``, with the property tests on a fixed, smaller set
+of examples (``TIERED_ROUTER_PROPERTY_EXAMPLES``).
+
+Results go to ``benchmarks/results/mutation.json``: per module the mutants killed (a test failed,
+or the mutant ran past its timeout), survived (including mutants no selected test reached), and
+equivalent - a survivor that matches an entry of ``EQUIVALENT`` below, each with the reason no
+test can tell it from the original. The score is killed / (mutants - equivalent).
+
+    python -m benchmarks.mutation                      # every module
+    python -m benchmarks.mutation tiers/scheduler.py   # some
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+
+MODULES: dict[str, list[str]] = {
+    "tiers/block_manager.py": [
+        "tests/tiers/test_block_manager.py",
+        "tests/tiers/test_block_manager_properties.py",
+    ],
+    "tiers/scheduler.py": [
+        "tests/tiers/test_scheduler.py",
+        "tests/tiers/test_scheduler_properties.py",
+    ],
+    "tiers/speculative.py": [
+        "tests/tiers/test_speculative.py",
+        "-k",
+        "accept_batch or controller or ngram_proposer or k_not_in_use",
+    ],
+    "tiers/sampling.py": ["tests/tiers/test_sampling.py"],
+    "router/cache.py": [
+        "tests/router/test_cache.py",
+        "-k",
+        "scope or expire or bounded or redis_entries",
+    ],
+    "router/auth.py": [
+        "tests/router/test_auth.py",
+        "-k",
+        "x_tenant_is_ignored or keys_parse or unreadable or unit",
+    ],
+    "router/admission.py": ["tests/router/test_admission_unit.py"],
+    "router/policy/decide.py": ["tests/router/policy/test_decide.py"],
+}
+
+# Survivors no test can tell from the original: (module, the changed source line as mutated, why).
+# Matched on the mutated line, so an entry keeps applying while the code around it changes.
+EQUIVALENT: list[tuple[str, str, str]] = []
+
+STATUS = {1: "killed", 3: "killed", 36: "killed", 24: "killed", -24: "killed", 152: "killed", 255: "killed"}
+"""mutmut exit codes: 1/3 a test failed; 36, 24, 152, 255 the timeout (a mutant that loops forever
+is detected). Everything else - 0 (tests passed), 33/5 (no test reached it) - is a survivor."""
+
+
+def _copy_repo(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc", "mutants")
+    for name in ("router", "tiers", "classifier", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def _config(module: str, tests: list[str]) -> str:
+    package = module.split("/", maxsplit=1)[0]
+    others = [p for p in ("router", "tiers", "classifier") if p != package]
+    args = ["-p", "no:cacheprovider", "-q", "-x", "-p", "no:randomly"]
+    return (
+        "\n[tool.mutmut]\n"
+        f"source_paths = [{json.dumps(package)}]\n"
+        f"only_mutate = [{json.dumps(module)}]\n"
+        f"also_copy = {json.dumps(others)}\n"
+        f"pytest_add_cli_args = {json.dumps(args)}\n"
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n"
+    )
+
+
+def _changed_line(diff: str) -> str:
+    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    return plus[0] if plus else ""
+
+
+def run_module(
+    module: str, tests: list[str], *, examples: int, children: int, timeout_s: float
+) -> dict[str, Any]:
+    mutmut = Path(sys.executable).with_name("mutmut")
+    with tempfile.TemporaryDirectory(prefix="tiered-router-mutation-") as tmp:
+        work = Path(tmp)
+        _copy_repo(work)
+        with (work / "pyproject.toml").open("a") as fh:
+            fh.write(_config(module, tests))
+        env = {**os.environ, "TIERED_ROUTER_PROPERTY_EXAMPLES": str(examples), "PYTHONDONTWRITEBYTECODE": "1"}
+        started = time.monotonic()
+        proc = subprocess.run(
+            ["nice", "-n", "10", str(mutmut), "run", "--max-children", str(children)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        seconds = time.monotonic() - started
+        meta_path = work / "mutants" / (module + ".meta")
+        if not meta_path.is_file():
+            raise RuntimeError(
+                f"mutmut produced no results for {module}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
+        codes: dict[str, int | None] = json.loads(meta_path.read_text())["exit_code_by_key"]
+        killed, survived, equivalent = [], [], []
+        for key, code in sorted(codes.items()):
+            if code in STATUS:
+                killed.append(key)
+                continue
+            shown = subprocess.run(
+                [str(mutmut), "show", key], cwd=work, env=env, capture_output=True, text=True, check=False
+            ).stdout
+            line = _changed_line(shown)
+            reason = next(
+                (why for mod, mutated, why in EQUIVALENT if mod == module and mutated == line), None
+            )
+            entry = {"mutant": key, "exit_code": code, "mutated_line": line, "diff": shown.strip()}
+            if reason is not None:
+                equivalent.append({**entry, "reason": reason})
+            else:
+                survived.append(entry)
+    scored = len(codes) - len(equivalent)
+    return {
+        "tests": tests,
+        "mutants": len(codes),
+        "killed": len(killed),
+        "survived": len(survived),
+        "equivalent": len(equivalent),
+        "score": round(len(killed) / scored, 4) if scored else None,
+        "seconds": round(seconds, 1),
+        "survivors": survived,
+        "equivalents": equivalent,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("modules", nargs="*", help="modules to run (default: all)")
+    parser.add_argument("--examples", type=int, default=25, help="Hypothesis examples per property test")
+    parser.add_argument("--children", type=int, default=2, help="mutants run at once")
+    parser.add_argument("--timeout-s", type=float, default=2400.0, help="bound on one module's run")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    modules = args.modules or list(MODULES)
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results.setdefault("modules", {})
+    for module in modules:
+        print(f"{module}: mutating...", flush=True)
+        res = run_module(
+            module, MODULES[module], examples=args.examples, children=args.children, timeout_s=args.timeout_s
+        )
+        results["modules"][module] = res
+        print(
+            f"{module}: {res['mutants']} mutants, {res['killed']} killed, {res['survived']} survived, "
+            f"{res['equivalent']} equivalent: score {res['score']} ({res['seconds']} s)",
+            flush=True,
+        )
+        results["tool"] = (
+            "mutmut 3 ("
+            + subprocess.run(
+                [str(Path(sys.executable).with_name("mutmut")), "--version"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+            + ")"
+        )
+        results["target"] = ">= 0.90 of non-equivalent mutants killed in each module"
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    low = [m for m in modules if (results["modules"][m]["score"] or 0.0) < 0.9]
+    if low:
+        print("below 0.90: " + ", ".join(low))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
