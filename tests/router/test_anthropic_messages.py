@@ -392,3 +392,23 @@ def test_generated_requests_never_cause_a_5xx(server: Server) -> None:
     )
     # Generated bodies rarely make a valid conversation: the point is that none is a 5xx.
     assert sum(statuses.values()) >= 60 and statuses[400] > 0, statuses
+
+
+def test_streamed_tool_use(client: anthropic.Anthropic) -> None:
+    """Bug caught: tool calls missing from the event stream (no ``tool_use`` block, no
+    ``input_json_delta``), or an input that differs from the plain (greedy) answer's."""
+    kwargs: Any = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "max_tokens": 200,
+        "extra_body": {"temperature": 0},
+    }
+    plain = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "content_block_start" in kinds and final.stop_reason == plain.stop_reason == "tool_use"
+    got = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+    assert got == [(b.name, b.input) for b in plain.content if b.type == "tool_use"] and len(got) == 1

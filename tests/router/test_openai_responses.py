@@ -438,3 +438,29 @@ def test_generated_requests_never_cause_a_5xx(server: Server) -> None:
     statuses = fuzz_operations(server, "^/v1/responses", {"authorization": f"Bearer {KEY_A}"}, error_body_ok)
     # Generated bodies rarely make a valid conversation: the point is that none is a 5xx.
     assert sum(statuses.values()) >= 60 and statuses[400] > 0, statuses
+
+
+def test_streamed_function_call_events(client: openai.OpenAI) -> None:
+    """Bug caught: tool-call deltas dropped from the event stream, or arguments that do not add up
+    to the call of the plain (greedy) answer."""
+    kwargs: Any = {
+        "model": "small",
+        "input": "Weather in Paris?",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 200,
+        "temperature": 0,
+    }
+    plain = next(i for i in client.responses.create(**kwargs).output if i.type == "function_call")
+    events = list(client.responses.create(stream=True, **kwargs))
+    types = [e.type for e in events]
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == "get_weather"  # type: ignore[union-attr]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert deltas == done.arguments == plain.arguments  # type: ignore[union-attr]
+    assert types.index("response.function_call_arguments.done") < types.index("response.output_item.done")
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [i.type for i in final.output] == ["function_call"] and final.output[
+        0
+    ].arguments == plain.arguments
