@@ -68,6 +68,8 @@ class LocalTier:
         self.tokenizer = engine.tokenizer
         self.draft_tier = draft_of
         self.key = engine_key(cfg)
+        self.retired = False
+        """Set by a reload that replaced this tier: nothing new may be submitted to it."""
 
     @property
     def max_model_len(self) -> int:
@@ -118,6 +120,8 @@ class RemoteBackend:
         self.client = client
         self.key = engine_key(cfg)
         self.draft_tier = None
+        self.retired = False
+        """Set by a reload that replaced this tier: nothing new may be sent through it."""
 
     def is_full(self) -> bool:
         return self.client.load().is_full
@@ -288,7 +292,8 @@ def build_tiers(
                 )
             )
         ):
-            old.cfg = cfg
+            # Taken over as it is; its cfg is swapped with the policy (router.reload), not here:
+            # a build that fails later must leave the serving tiers untouched.
             backends[name] = old
             continue
         if cfg.is_remote:

@@ -26,8 +26,8 @@ from tiers.sequence import SamplingParams
 __all__ = [
     "choice_params",
     "local_stream",
-    "local_stream_async",
     "prepare_local",
+    "prepare_local_async",
     "sampling_params",
     "submit_local",
     "system_fingerprint",
@@ -191,14 +191,14 @@ _GRAMMAR_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 not behind (or in front of) every other request's tokenization in the loop's default executor."""
 
 
-async def local_stream_async(
+async def prepare_local_async(
     backend: LocalTier, gen: Generation, *, grammar_timeout_s: float
-) -> tuple[list[AsyncIterator[StepOutput]], int]:
-    """``local_stream`` with the request-sized work off the event loop: the grammar compiled in
-    ``_GRAMMAR_POOL`` within ``grammar_timeout_s`` (cached by the schema's hash, so the matchers
-    ``prepare_local`` builds are copies), tokenization in a worker thread; only the submission runs
-    on the loop. A compilation past its budget is a 400 (it finishes in the background and is
-    cached, so a retry of the same schema is fast)."""
+) -> tuple[list[int], list[SamplingParams]]:
+    """``prepare_local`` off the event loop: the grammar compiled in ``_GRAMMAR_POOL`` within
+    ``grammar_timeout_s`` (cached by the schema's hash, so the matchers ``prepare_local`` builds
+    are copies), tokenization in a worker thread; the caller submits (``submit_local``) on the
+    loop. A compilation past its budget is a 400 (it finishes in the background and is cached, so
+    a retry of the same schema is fast)."""
     from tiers.grammar import GrammarError, compiler_for
 
     spec = gen.output
@@ -222,5 +222,4 @@ async def local_stream_async(
                 param=spec.grammar_param,
                 code="invalid_schema",
             ) from exc
-    ids, params = await asyncio.to_thread(prepare_local, backend, gen)
-    return submit_local(backend, gen, ids, params), len(ids)
+    return await asyncio.to_thread(prepare_local, backend, gen)

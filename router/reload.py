@@ -11,7 +11,10 @@ all of it is swapped in one step on the event loop. A broken edit changes nothin
 logged and ``router_policy_reload_failures_total`` rises. Requests already decided keep their
 tier and finish under the policy they started with (their cache entry is keyed on that decision).
 
-The same loop re-reads the API keys file, so rotated and revoked keys apply within a tick.
+A loop of its own re-reads the API keys file, so rotated and revoked keys apply within a tick,
+even while a policy edit's engines are being built. A replaced engine is marked retired in the
+swap, so a request that picked it before the swap but had not submitted yet goes to the new one;
+it is removed once no request is left on it.
 """
 
 from __future__ import annotations
@@ -81,9 +84,13 @@ async def apply_policy(app: Any, new: Policy) -> None:
         kept = {id(b) for b in tiers.tiers.values()}
         retired = [b for b in old_tiers.tiers.values() if id(b) not in kept]
     # The swap: no await from here on, so no request sees half of it.
-    if tiers is old_tiers and tiers is not None:
+    if tiers is not None:
         for name, backend in tiers.tiers.items():
             backend.cfg = new.tiers[name]  # generation defaults may have changed
+    for backend in retired:
+        # A request that picked it before the swap and has not submitted yet (tokenizing, compiling
+        # a grammar) sees this and goes to the new tier instead (RouterService._submit).
+        backend.retired = True
     old_cache = service.cache
     service.policy, service.tiers, service.cache, service.classifier = new, tiers, cache, classifier
     state.auth = auth
@@ -137,14 +144,29 @@ class PolicyWatcher:
                 await self._task
 
     async def _run(self) -> None:
+        # Keys on their own loop: a revoked key must not stay valid while a policy edit's engines
+        # build (minutes for a large model).
+        keys = asyncio.get_running_loop().create_task(self._run_keys())
+        try:
+            while self.watch_policy:
+                await asyncio.sleep(self.interval_s)
+                try:
+                    await self.check()
+                except Exception:  # never let the watcher die
+                    log.exception("policy watcher error")
+            await keys
+        finally:
+            keys.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keys
+
+    async def _run_keys(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 self.app.state.auth.refresh()
-                if self.watch_policy:
-                    await self.check()
-            except Exception:  # never let the watcher die
-                log.exception("policy watcher error")
+            except Exception:
+                log.exception("API key refresh error")
 
     async def check(self) -> bool:
         """Reload when the file's content changed; returns True when a new policy was applied."""

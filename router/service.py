@@ -19,7 +19,7 @@ from router.backends import RemoteBackend, TierSet
 from router.calls import CachedAnswer, CallContext, Completion, Generation, Routed
 from router.errors import BadRequestError, RateLimitError, UnavailableError
 from router.limits import check_limits
-from router.local import local_stream, local_stream_async, system_fingerprint
+from router.local import local_stream, prepare_local_async, submit_local, system_fingerprint
 from router.policy.decide import Decision, RouteRequest, decide
 from router.responses import RETRY_AFTER_S, InFlight, ResponseWriter, remote_error
 from router.schemas import (
@@ -387,19 +387,7 @@ class RouterService:
             self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)
             self.fair.note(d.tier, ctx.principal)  # a refused caller still claims its share
             raise rejection(d, routed.pressures)
-        backend = tiers.tiers.get(d.tier)
-        if backend is None:  # a reload renamed tiers while this request was being decided
-            raise UnavailableError(
-                f"Tier '{d.tier}' is not loaded yet; retry shortly.", code="tier_loading", retry_after=5.0
-            )
-        source: list[AsyncIterator[StepOutput]]
-        if isinstance(backend, RemoteBackend):
-            source = [self._remote_stream(backend, gen)]
-            prompt_tokens_hint = routed.prompt_tokens
-        else:
-            source, prompt_tokens_hint = await local_stream_async(
-                backend, gen, grammar_timeout_s=policy.service.limits.grammar_timeout_s
-            )
+        source, prompt_tokens_hint = await self._submit(tiers, d.tier, gen, routed.prompt_tokens, policy)
         # Counted against the caller's share of the tier until the answer ends (router.admission).
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0])
         if policy.shadow.preempt:
@@ -432,6 +420,34 @@ class RouterService:
             gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
         )
         return Completion(headers, body=body)
+
+    async def _submit(
+        self, tiers: TierSet, tier: str, gen: Generation, prompt_tokens: int, policy: Policy
+    ) -> tuple[list[AsyncIterator[StepOutput]], int]:
+        """Submit ``gen`` to ``tier``: one output stream per choice, and the prompt's token count.
+
+        Preparing a local request awaits (tokenization, grammar compilation off the loop); a
+        reload may retire the tier's engine meanwhile. A retired backend takes nothing new: the
+        request is prepared again for the tier the reload put in its place."""
+        for _ in range(3):
+            backend = tiers.tiers.get(tier)
+            if backend is None:  # a reload renamed tiers while this request was being decided
+                raise UnavailableError(
+                    f"Tier '{tier}' is not loaded yet; retry shortly.", code="tier_loading", retry_after=5.0
+                )
+            if isinstance(backend, RemoteBackend):
+                if not backend.retired:
+                    return [self._remote_stream(backend, gen)], prompt_tokens
+            else:
+                ids, params = await prepare_local_async(
+                    backend, gen, grammar_timeout_s=policy.service.limits.grammar_timeout_s
+                )
+                if not backend.retired:  # no await from this check to the submission
+                    return submit_local(backend, gen, ids, params), len(ids)
+            tiers = self._require_tiers()  # the set the reload swapped in
+        raise UnavailableError(
+            f"Tier '{tier}' is being reloaded; retry shortly.", code="tier_loading", retry_after=1.0
+        )
 
     async def _shadow_after(
         self,
@@ -486,6 +502,8 @@ class RouterService:
         req = gen.request
         limit = cfg.max_tokens
         changes: dict[str, Any] = {"stream": False, "stream_options": None, "n": 1}
+        if isinstance(req, CompletionRequest):
+            changes["best_of"] = None
         if isinstance(req, ChatCompletionRequest):
             asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             changes.update(max_tokens=min(limit, asked or limit), max_completion_tokens=None)
@@ -496,6 +514,9 @@ class RouterService:
             request=msgspec.structs.replace(req, model=tier, **changes),
             stream=False,
             include_usage=False,
+            # One choice generated, as asked of the request: the spec decides how many sequences
+            # are submitted, and the shadow reads only the first (the rest would run unaborted).
+            output=dataclasses.replace(gen.output, n=1, best_of=1) if gen.output is not None else None,
         )
         if isinstance(backend, RemoteBackend):
             load = None
