@@ -66,10 +66,26 @@ class TierPressure:
     """Remote tiers: seconds until the open circuit lets a trial through."""
     over_share: bool = False
     """The caller already holds its fair share of this tier."""
+    finish_s: float | None = None
+    """A non-streaming request with a deadline: its predicted wait plus ``max_tokens`` at the
+    tier's measured decode rate (None: not predicted)."""
+    deadline_s: float | None = None
+
+    @property
+    def misses_deadline(self) -> bool:
+        """The whole answer cannot arrive before the client gives up (a non-streaming request
+        sees nothing until the end, so generating it would only take capacity from others)."""
+        return self.finish_s is not None and self.deadline_s is not None and self.finish_s > self.deadline_s
 
     @property
     def refuses(self) -> bool:
-        return self.full or self.over_share or self.circuit_open_s is not None or self.wait_s > self.budget_s
+        return (
+            self.full
+            or self.over_share
+            or self.circuit_open_s is not None
+            or self.wait_s > self.budget_s
+            or self.misses_deadline
+        )
 
 
 class FairShare:
@@ -99,16 +115,19 @@ class FairShare:
         callers = len(active) + (caller not in active)
         return self._held[tier][caller] >= max(1, capacity // callers)
 
-    def hold(self, tier: str, caller: str | None, source: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """``source``, counted against ``caller`` on ``tier`` until it ends or is closed."""
+    def hold(
+        self, tier: str, caller: str | None, source: AsyncIterator[Any], weight: int = 1
+    ) -> AsyncIterator[Any]:
+        """``source``, counted against ``caller`` on ``tier`` until it ends or is closed, as
+        ``weight`` sequences (``n`` / ``best_of``: an n=16 request takes 16 slots, not one)."""
         if caller is None:
             return source
         self.note(tier, caller)
         held = self._held[tier]
-        held[caller] += 1
+        held[caller] += weight
 
         def release() -> None:
-            held[caller] -= 1
+            held[caller] -= weight
             if held[caller] <= 0:
                 del held[caller]
 
@@ -181,7 +200,10 @@ def tier_pressures(
     caller: str | None = None,
     tenant: str | None = None,
     prompt_tokens: int = 0,
+    max_tokens: int | None = None,
 ) -> dict[str, TierPressure]:
+    """Each tier's admission state for one request. ``max_tokens``: the output tokens of a
+    non-streaming request (None for a stream, whose client sees tokens as they come)."""
     out: dict[str, TierPressure] = {}
     factor = priority_factor(policy, tenant)
     for name, backend in tiers.tiers.items():
@@ -196,14 +218,32 @@ def tier_pressures(
             # The engine shares batch slots between callers, so the wait is this caller's (a light
             # caller is not refused for a heavy one's queue), and its prompt's own prefill counts.
             wait = backend.engine.predicted_wait(caller or "", prompt_tokens)
+        finish = None
+        if deadline_s is not None and max_tokens is not None and hasattr(backend, "engine"):
+            finish = _predicted_finish(backend.engine, wait, min(max_tokens, cfg.max_model_len))
         out[name] = TierPressure(
             full=bool(load.is_full),
             wait_s=wait,
             budget_s=budget,
             circuit_open_s=getattr(load, "circuit_open_s", None),
             over_share=fair is not None and fair.over_share(name, caller, cfg.max_num_seqs + cfg.max_queue),
+            finish_s=finish,
+            deadline_s=deadline_s,
         )
     return out
+
+
+def _predicted_finish(engine: Any, wait_s: float, max_tokens: int) -> float | None:
+    """Seconds until ``max_tokens`` are out: the first-token wait, then one decode round (at the
+    batch this request joins) per ``tokens per row`` of that round; None before any measurement."""
+    decode_round = getattr(engine, "decode_round", None)
+    rnd = decode_round(1) if decode_round is not None else None
+    if rnd is None:
+        return None
+    seconds, per_row = rnd
+    if seconds <= 0 or per_row <= 0:
+        return None
+    return wait_s + max_tokens / per_row * seconds
 
 
 def rejection(d: Decision, pressures: Mapping[str, TierPressure]) -> RouterError:
@@ -214,6 +254,17 @@ def rejection(d: Decision, pressures: Mapping[str, TierPressure]) -> RouterError
             f"Tier '{d.tier}' is unavailable (its upstream is failing) and no fallback tier is free.",
             code="tier_unavailable",
             retry_after=max(1.0, math.ceil(p.circuit_open_s)),
+        )
+    if p is not None and p.misses_deadline and not p.full and p.wait_s <= p.budget_s:
+        assert p.finish_s is not None
+        assert p.deadline_s is not None
+        return OverloadedError(
+            f"Tier '{d.tier}' would take about {p.finish_s:.1f}s to finish this answer at its current "
+            f"rate, past the {p.deadline_s:.1f}s deadline (x-request-timeout); lower max_tokens, "
+            "stream, or retry later.",
+            code="deadline_unreachable",
+            retry_after=max(1.0, math.ceil(p.finish_s - p.deadline_s)),
+            spread_retries=True,
         )
     if p is not None and p.over_share and not p.full:
         return OverloadedError(

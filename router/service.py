@@ -171,7 +171,14 @@ class RouterService:
             deadline = client_deadline_s(ctx.headers, policy)
             pressures = (
                 tier_pressures(
-                    self.tiers, policy, deadline, self.fair, ctx.principal, ctx.tenant, prompt_tokens
+                    self.tiers,
+                    policy,
+                    deadline,
+                    self.fair,
+                    ctx.principal,
+                    ctx.tenant,
+                    prompt_tokens,
+                    max_tokens=_collected_max_tokens(request),
                 )
                 if self.tiers is not None
                 else {}
@@ -389,7 +396,9 @@ class RouterService:
             raise rejection(d, routed.pressures)
         source, prompt_tokens_hint = await self._submit(tiers, d.tier, gen, routed.prompt_tokens, policy)
         # Counted against the caller's share of the tier until the answer ends (router.admission).
-        source[0] = self.fair.hold(d.tier, ctx.principal, source[0])
+        spec = gen.output
+        weight = max(spec.n, spec.best_of) if spec is not None else 1
+        source[0] = self.fair.hold(d.tier, ctx.principal, source[0], weight)
         if policy.shadow.preempt:
             self.shadow.preempt()  # real traffic first: running shadow answers give way
         shadow_tier = self.shadow.target(policy, d, ctx.tenant)
@@ -565,6 +574,18 @@ class RouterService:
             return True
         except TimeoutError:
             return False
+
+
+def _collected_max_tokens(request: ChatCompletionRequest | CompletionRequest | None) -> int | None:
+    """The output tokens a non-streaming request asks for (None for a stream, or when unknown):
+    what admission checks against the client's deadline."""
+    if request is None or request.stream:
+        return None
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    if request.max_tokens is not None:
+        return request.max_tokens
+    return 16 if isinstance(request, CompletionRequest) else None  # OpenAI's completions default
 
 
 def _request_signals(

@@ -129,3 +129,26 @@ def test_an_engine_abort_mid_stream_ends_with_an_error_event_and_done(server: Se
     assert error["error"]["code"] == "aborted" and error["error"]["type"]
     assert all("error" not in json.loads(e) for e in rest[:-2])
     server.wait_idle()
+
+
+def test_a_collected_answer_that_cannot_finish_before_the_deadline_is_refused_up_front(
+    server: Server,
+) -> None:
+    """Bug: a non-streaming request was admitted although its ``max_tokens`` could not be
+    generated before its ``x-request-timeout``: the work was done for a client that had left."""
+    body = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json=body, headers={"x-request-timeout": "0.01"}, timeout=30
+    )
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "deadline_unreachable" and "retry-after" in r.headers
+    fits = dict(body, max_tokens=2)
+    ok = httpx.post(
+        server.url + "/v1/chat/completions", json=fits, headers={"x-request-timeout": "20"}, timeout=30
+    )
+    assert ok.status_code == 200, ok.text
