@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from tiers.flex_paged import flex_paged_attention
+
 if TYPE_CHECKING:
     from tiers.model_runner import AttnGroup
 
@@ -67,6 +69,22 @@ class FastDecoder:
         self._fused_norm = self._fused_norm_op()
         self._paged_attention = self._paged_attention_op()
         self._rope_kv = self._rope_kv_op()
+        self.flex_attention = self._flex_attention_fn()
+        """FlexAttention over the pool in place (``tiers/flex_paged.py``) for every query length:
+        on CUDA (compiled), or anywhere with ``TIERED_ROUTER_ATTENTION=flex`` (eager: the CPU
+        tests run the GPU path's Python). ``None``: the CPU kernel or gather + SDPA."""
+
+    def _flex_attention_fn(self) -> Any | None:
+        import os
+
+        choice = os.environ.get("TIERED_ROUTER_ATTENTION", "auto")
+        on_cuda = self.base.embed_tokens.weight.device.type == "cuda"
+        if choice == "sdpa" or (choice == "auto" and not on_cuda):
+            return None
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Compiled on CUDA (Triton); shapes vary with the batch, so dynamic from the start.
+        return torch.compile(flex_attention, dynamic=True) if on_cuda else flex_attention
 
     def _rope_kv_op(self) -> Any | None:
         """The fused RoPE + K/V write kernel where it applies: a CPU model of bf16 or fp32 (the pool
@@ -96,6 +114,11 @@ class FastDecoder:
         """Whether attention of a group with ``q_len`` queries per row runs the paged kernel
         (then the group needs no mask and no gathered copy of its blocks)."""
         return self._paged_attention is not None and q_len <= PAGED_ATTENTION_MAX_Q_LEN
+
+    @property
+    def uses_flex(self) -> bool:
+        """Every group runs FlexAttention: the runner builds its block mask (``AttnGroup.flex``)."""
+        return self.flex_attention is not None
 
     def _fused_norm_op(self) -> Any | None:
         """The fused residual add + RMSNorm kernel where it applies: CPU weights, norm weights in
@@ -246,6 +269,20 @@ class FastDecoder:
             out = torch.empty((n, heads, dim), dtype=q.dtype, device=q.device) if len(groups) > 1 else None
             for g in groups:
                 rows, t = g.num_rows, g.q_len
+                if g.flex is not None:  # FlexAttention reads the pool in place (tiers/flex_paged.py)
+                    attn = flex_paged_attention(
+                        q[g.first : g.first + rows * t],
+                        pool,
+                        g.flex,
+                        t,
+                        self.scale,
+                        compiled=self.flex_attention,
+                    )
+                    if out is None:
+                        out = attn
+                    else:
+                        out[g.first : g.first + rows * t] = attn
+                    continue
                 if g.mask is None:  # the paged kernel reads the pool in place (paged_attention_serves)
                     assert self._paged_attention is not None
                     q_rows, tables = q[g.first : g.first + rows * t], g.block_idx.view(rows, -1)

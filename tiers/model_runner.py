@@ -33,6 +33,7 @@ import torch
 
 from tiers.block_manager import BlockManager
 from tiers.fast_forward import FastDecoder, supports_fast_path
+from tiers.flex_paged import PagedBlockMask
 
 if TYPE_CHECKING:
     from tiers.loading import LoadedModel
@@ -68,6 +69,9 @@ class AttnGroup:
     axis in GQA-folded order. Built once per forward: a bool mask would be turned into this inside
     every layer's attention call (the same values, so the same result). ``None`` where the paged
     attention kernel serves the group: it derives causality from ``starts``."""
+    flex: PagedBlockMask | None = None
+    """FlexAttention's block mask of the group (``FastDecoder.uses_flex``): its rows' blocks read
+    in place, no gathered copy, no dense mask."""
 
 
 def kv_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
@@ -242,7 +246,13 @@ class ModelRunner:
             kv_len = num_blocks * bs
             starts = torch.tensor([r.start for r in members], dtype=torch.long)
             additive: torch.Tensor | None = None
-            if not self.fast.paged_attention_serves(q_len):
+            block_idx = self._block_idx(members, num_blocks).to(self.device)
+            flex = None
+            if self.fast.uses_flex:
+                flex = PagedBlockMask(
+                    block_idx.view(len(members), num_blocks), starts, q_len, self.kv.shape[1], bs
+                )
+            elif not self.fast.paged_attention_serves(q_len):
                 q_pos = starts[:, None] + torch.arange(q_len)[None, :]  # [rows, q_len]
                 # mask[r, 0, g*q_len + t, j]: query t of row r sees key j iff j <= its position.
                 mask = torch.arange(kv_len)[None, None, :] <= q_pos[:, :, None]  # [rows, q_len, kv_len]
@@ -258,10 +268,11 @@ class ModelRunner:
                     first,
                     len(members),
                     q_len,
-                    self._block_idx(members, num_blocks).to(self.device),
+                    block_idx,
                     kv_len,
                     starts,
                     additive,
+                    flex,
                 )
             )
             i = j
