@@ -557,6 +557,9 @@ class RouterService:
     def _remote_stream(self, backend: RemoteBackend, gen: Generation) -> AsyncIterator[StepOutput]:
         if gen.output is not None:
             gen.output.system_fingerprint = system_fingerprint(backend.name, backend.key)
+            # The upstream honours best_of itself and returns the n winners: nothing to rank here
+            # (and the ranking would need token logprobs it does not send).
+            gen.output.best_of = gen.output.n
         # Every field is forwarded as the client sent it (tools, response_format, logprobs, n...):
         # the upstream honours them, and its tool-call deltas and logprobs come back unchanged.
         body = upstream_body(gen.request)

@@ -275,3 +275,16 @@ def test_odd_retry_after_from_the_upstream_is_parsed_defensively(
     assert r.status_code == 429, r.text
     retry = float(r.headers["retry-after"])
     assert 0 <= retry <= 3600
+
+
+def test_remote_best_of_above_n_returns_the_upstreams_choices(front: Server, state: Upstream) -> None:
+    """Bug: a remote ``best_of > n`` always ended in a 500 after the upstream had done the work:
+    the router tried to rank choices by token logprobs the upstream had already ranked."""
+    r = httpx.post(
+        front.url + "/v1/completions",
+        json={"model": "large", "prompt": "hi", "max_tokens": 4, "n": 1, "best_of": 3},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["hello"]
+    assert state.bodies[-1]["best_of"] == 3  # the upstream was asked for it
