@@ -97,8 +97,10 @@ def lofo_tables(
             cache[family] = fit_without(family)
         return cache[family]
 
+    # No pooled row: each family is scored by another refit, so their scores share no scale.
     return {
-        name: family_table(rows, {"value": lofo_values(rows, cached)}, draws) for name, rows in sets.items()
+        name: family_table(rows, {"value": lofo_values(rows, cached)}, draws, pooled=False)
+        for name, rows in sets.items()
     }
 
 
@@ -112,19 +114,19 @@ def selection(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return {"worst_family": out, "selected": best}
 
 
-def grouped_cv(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def grouped_cv(rows: list[dict[str, Any]], config: OutcomeConfig = OUTCOME_CONFIG) -> dict[str, Any]:
     """Pooled out-of-fold APGR on MMLU: folds of whole subjects, each scored by a refit without them."""
     from sklearn.model_selection import GroupKFold
 
     proxy = load_outcomes(PROXY_PATH)
-    rated = load_outcomes(DIFFICULTY_7B, pair=OUTCOME_CONFIG.difficulty_pair)
+    rated = load_outcomes(DIFFICULTY_7B, pair=config.difficulty_pair)
     subjects = np.array([r["subject"] for r in rows])
     oof = np.zeros(len(rows))
     for train_idx, test_idx in GroupKFold(n_splits=FOLDS).split(rows, groups=subjects):
         train = [rows[i] for i in train_idx] + proxy + rated
-        weights = [1.0] * len(train_idx) + [OUTCOME_CONFIG.proxy_weight] * len(proxy)
-        weights += [OUTCOME_CONFIG.difficulty_weight] * len(rated)
-        pipeline = fit_outcomes(train, OUTCOME_CONFIG, weights)
+        weights = [1.0] * len(train_idx) + [config.proxy_weight] * len(proxy)
+        weights += [config.difficulty_weight] * len(rated)
+        pipeline = fit_outcomes(train, config, weights)
         oof[test_idx] = outcome_proba(pipeline, [rows[i]["prompt"] for i in test_idx])
     weak, strong = [r["weak"] for r in rows], [r["strong"] for r in rows]
     return {
@@ -228,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for family, e in table.items():
             if not e.get("judged"):
                 continue
-            lo = lofo["shipped"][name][family]["value"]
+            lo = lofo["shipped"][name].get(family, e)["value"]
 
             def cell(b: dict[str, Any]) -> str:
                 return f"{b['apgr']:.3f} [{b['ci95'][0]:.2f}, {b['ci95'][1]:.2f}]"

@@ -198,7 +198,8 @@ def evaluate_outcomes(
     result["worst_family"] = {name: worst_family(result["families"], name) for name in routers}
     if lofo:
         held_out = lofo_values(rows, lofo_fitter(lofo_config))
-        table = family_table(rows, {"value": held_out}, draws)
+        # No pooled row: each family is scored by another refit; their scores share no scale.
+        table = family_table(rows, {"value": held_out}, draws, pooled=False)
         result["lofo"] = {"families": table, "worst_family": worst_family(table, "value")}
     sample = prompts[:latency_prompts]
     for i in range(WARMUP_CALLS):

@@ -126,6 +126,8 @@ class OutcomeConfig:
     """(weak, strong) models of pass-rate rows (difficulty_7b) in training."""
     difficulty_weight: float = 1.0
     """Sample weight of each pass-rate row."""
+    flags: tuple[tuple[str, int], ...] = FAMILY_FLAGS
+    """FamilyCounts' 0/1 columns ``(group, at least)``."""
 
 
 OUTCOME_CONFIG = OutcomeConfig()
@@ -146,7 +148,7 @@ def _features(config: OutcomeConfig) -> Any:
     )
     if config.features == "family":
         counts: Any = FamilyCounts(
-            OUTCOME_GROUPS, domains=DOMAIN_GROUPS, override=CODE_OVERRIDE, flags=FAMILY_FLAGS, **gating
+            OUTCOME_GROUPS, domains=DOMAIN_GROUPS, override=CODE_OVERRIDE, flags=config.flags, **gating
         )
     elif config.features == "counts":
         counts = TokenCounts(OUTCOME_GROUPS, **gating)
