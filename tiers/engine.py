@@ -126,6 +126,7 @@ class Engine:
         self._inbox_caller_tokens: Counter[str] = Counter()
         """And their prompt tokens: a caller's own earlier requests run before its new one."""
         self._backlog_cache: tuple[float, Backlog] | None = None
+        self._round_cache: dict[int, tuple[float, tuple[float, float] | None]] = {}
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -218,10 +219,16 @@ class Engine:
         )
         if batch <= 0:
             return (0.0, 1.0)
+        now = time.monotonic()
+        cached = self._round_cache.get(batch)
+        if cached is not None and now - cached[0] < BACKLOG_REUSE_S:
+            return cached[1]  # a burst of decisions prices the same state: reuse it briefly
         try:
-            return self.spec.best_round(batch)
+            priced = self.spec.best_round(batch)
         except RuntimeError:  # the device thread added a cost point mid-read: price it as unknown
             return None
+        self._round_cache[batch] = (now, priced)
+        return priced
 
     # -- intake (any thread) --------------------------------------------------------------------
     def submit(

@@ -560,3 +560,21 @@ async def test_a_steps_outputs_reach_the_event_loop_in_one_call(
     assert all(len(o[0]) == 16 and o[2] == "length" for o in outs)
     alone = [await collect(engine, p, greedy(16)) for p in prompts(8, seed=5)]
     assert [o[0] for o in outs] == [a[0] for a in alone]
+
+
+def test_decode_round_prices_a_non_drafting_engine_from_its_warm_up(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    # Catches: warm-up profiling only drafting engines, so a plain tier has no price until its
+    # first real steps and drops out of load-aware routing (TierSet.routing_costs leaves
+    # unmeasured tiers out). A fresh engine: nothing but its warm-up has run.
+    engine: Engine = make_engine(worker, tiny_model_dir, name="fresh")  # type: ignore[assignment]
+    assert engine.draft is None and engine.num_steps == 0
+    assert engine.decode_round(0) == (0.0, 1.0)  # idle: nothing to price
+    one, sixteen = engine.decode_round(1), engine.decode_round(16)
+    assert one is not None and sixteen is not None
+    assert one[1] == sixteen[1] == 1.0  # no draft: one token a row a step
+    assert one[0] > 0.0 and sixteen[0] > 0.0
+    # The price is the controller's plain-step estimate at that batch size.
+    assert one[0] == engine.spec.best_round(1)[0]  # type: ignore[index]
+    worker.remove_engine(engine)
