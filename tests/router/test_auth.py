@@ -361,3 +361,103 @@ def test_unit_the_tenant_header_is_trimmed_bounded_and_only_fills_a_gap() -> Non
     assert keyed.authenticate({"authorization": "Bearer k2"}) == Caller(None, fp[1])  # the key's fingerprint
     untrusted = Authenticator(AuthConfig(), ApiKeys({"k2": None}))
     assert untrusted.authenticate({"authorization": "Bearer k2", "x-tenant": "acme"}) == Caller(None, fp[1])
+
+
+def test_unit_anthropic_x_api_key_is_the_same_key_and_authorization_wins() -> None:
+    from router.auth import Authenticator
+    from router.policy.schema import AuthConfig
+
+    auth = Authenticator(AuthConfig(), ApiKeys({"k1": "t1", "k2": "t2"}))
+    assert auth.authenticate({"x-api-key": "k1"}) == Caller("t1", "t1")
+    assert auth.authenticate({"x-api-key": "nope"}) is None
+    assert auth.authenticate({"x-api-key": ""}) is None
+    assert auth.authenticate({"authorization": "Bearer k2", "x-api-key": "k1"}) == Caller("t2", "t2")
+    assert auth.authenticate({"authorization": "Bearer wrong", "x-api-key": "k1"}) is None
+
+
+def test_unit_refresh_reloads_only_what_changed_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What refresh logs is what an operator sees of a rotation or an outage: the file, the count,
+    the reason; an unreadable file is reported once, not on every poll."""
+    import logging
+
+    from router.auth import Authenticator, load_entries
+    from router.policy.schema import AuthConfig
+
+    path = tmp_path / "keys"
+    path.write_text("k1:t\nk2\n")
+    cfg = AuthConfig(api_keys_file=str(path))
+    auth = Authenticator(cfg, ApiKeys(load_entries(cfg)[0]))
+    assert auth.source == ""
+    assert auth.refresh() is False  # the file it started from: nothing to reload
+    caplog.set_level(logging.INFO, logger="router.auth")
+    path.write_text("k1:t\nk2\nk3\n")
+    assert auth.refresh() is True
+    assert [r.getMessage() for r in caplog.records] == [f"auth: 3 API key(s) loaded from {path}"]
+    caplog.clear()
+    path.unlink()
+    assert auth.refresh() is False and auth.refresh() is False
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, f"auth: api_keys_file {path} cannot be read; keeping the current keys")
+    ]
+    caplog.clear()
+    path.write_text("")  # back, but empty: revoked (not mistaken for the unreadable state)
+    assert auth.refresh() is True
+    assert auth.authenticate({"authorization": "Bearer k1"}) is None
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, f"auth: {path} holds no key; every request is refused"),
+        (logging.INFO, f"auth: 0 API key(s) loaded from {path}"),
+    ]
+    # An open server never reads a keys file, even one configured.
+    path.write_text("k9\n")
+    opened = Authenticator(AuthConfig(mode="open", api_keys_file=str(path)), ApiKeys({}))
+    path.write_text("k10\n")
+    assert opened.refresh() is False and not opened.keys.enabled
+    # Keys from the environment alone: no file to re-read, and no problem reported.
+    monkeypatch.setenv("UNIT_KEYS", "e1")
+    assert load_entries(AuthConfig(api_keys_env="UNIT_KEYS")) == ({"e1": None}, [])
+    assert load_entries(AuthConfig(api_keys_file=str(path))) == ({"k10": None}, [])
+    assert Authenticator(AuthConfig(api_keys_env="UNIT_KEYS"), ApiKeys({"e1": None})).refresh() is False
+
+
+def test_unit_starting_without_keys_names_the_policy_and_field(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    import logging
+
+    from router.auth import Authenticator
+    from router.errors import PolicyError
+    from router.policy.loader import parse_policy
+
+    base = "tiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n"
+    monkeypatch.delenv("UNIT_KEYS", raising=False)
+    missing = tmp_path / "missing"
+    policy = parse_policy(
+        base + f"service: {{auth: {{api_keys_env: UNIT_KEYS, api_keys_file: {missing}}}}}\n", source="p.yaml"
+    )
+    with pytest.raises(PolicyError) as err:
+        Authenticator.from_policy(policy)
+    assert err.value.source == "p.yaml"
+    (issue,) = err.value.issues
+    assert issue.path == "service.auth"
+    assert issue.message == (
+        "mode is 'keys' but no API key could be loaded: $UNIT_KEYS is unset or empty; "
+        f"api_keys_file {missing} cannot be read (FileNotFoundError)"
+        " (set the keys, or mode: open for a loopback development server)"
+    )
+    # Both sources configured, one empty: started, the empty one warned about; the source kept.
+    monkeypatch.setenv("UNIT_KEYS", "k")
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    caplog.set_level(logging.WARNING, logger="router.auth")
+    two = parse_policy(
+        base + f"service: {{auth: {{api_keys_env: UNIT_KEYS, api_keys_file: {empty}}}}}\n", source="q.yaml"
+    )
+    auth = Authenticator.from_policy(two)
+    assert auth.source == "q.yaml"
+    assert [r.getMessage() for r in caplog.records] == [f"auth: api_keys_file {empty} holds no key"]
+    opened = Authenticator.from_policy(
+        parse_policy(base + "service: {auth: {mode: open}}\n", source="o.yaml")
+    )
+    assert opened.source == "o.yaml"
