@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import router.cache
-from router.cache import MemoryStore, RedisStore, ResponseCache
+from router.cache import CacheKey, MemoryStore, RedisStore, ResponseCache
 from router.calls import CallContext, Generation
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
@@ -473,5 +473,238 @@ async def test_redis_entries_carry_the_ttl_and_expire(redis_url: str) -> None:
         assert await client.exists("ttl-test:short") == 0
     finally:
         await client.delete("ttl-test:long")
+        await client.aclose()
+        await store.aclose()
+
+
+class Counted:
+    """A stand-in for the service's telemetry: counts what the cache reports, records span attributes."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.attrs: dict[str, object] = {}
+
+    def _inc(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    @property
+    def cache_misses(self) -> Counted._Metric:
+        return Counted._Metric(self, "miss")
+
+    @property
+    def cache_hits(self) -> Counted._Metric:
+        return Counted._Metric(self, "hit")
+
+    @property
+    def cache_errors(self) -> Counted._Metric:
+        return Counted._Metric(self, "error")
+
+    def span(self, name: str, parent: object = None) -> object:
+        import contextlib
+
+        outer = self
+
+        class Span:
+            def set_attribute(self, key: str, value: object) -> None:
+                outer.attrs[key] = value
+
+        assert name == "cache.lookup"
+        return contextlib.nullcontext(Span())
+
+    class _Metric:
+        def __init__(self, owner: Counted, name: str) -> None:
+            self.owner, self.name = owner, name
+
+        def labels(self, label: str) -> Counted._Metric:
+            return Counted._Metric(self.owner, f"{self.name}:{label}")
+
+        def inc(self) -> None:
+            self.owner._inc(self.name)
+
+
+def request_gen(body: dict[str, object]) -> Generation:
+    body = {"model": "auto", "temperature": 0, **body}
+    if "prompt" in body:
+        from router.schemas import CompletionRequest
+
+        req = msgspec.convert(body, CompletionRequest)
+        return Generation("completion", req, None, str(body["prompt"]), False, False)
+    messages = body["messages"]
+    assert isinstance(messages, list)
+    return Generation("chat", msgspec.convert(body, ChatCompletionRequest), messages, None, False, False)
+
+
+HI = [{"role": "user", "content": "What is the tallest mountain in the world?"}]
+
+
+def test_the_exact_key_covers_what_changes_the_answer_and_nothing_else() -> None:
+    cache, _ = semantic_cache()
+    ctx = CallContext({}, tenant="acme")
+
+    def key(**body: object) -> str:
+        k = cache.key(request_gen({"messages": HI, **body}), ctx, "small", POLICY)
+        assert k is not None
+        return k.exact
+
+    base = key()
+    # Transport fields and the requested model name do not change the answer.
+    assert key(stream=True) == key(user="u1") == key(model="small") == key(metadata={"a": "b"}) == base
+    assert key(max_tokens=5) != base and key(stop=["x"]) != base and key(seed=3) != base
+    assert key(messages=[{"role": "system", "content": "Be brief."}, *HI]) != base
+    other_tier = parse_policy("tiers: {small: {model: other}}\nrouting: {rules: [{name: d, tier: small}]}\n")
+    k = cache.key(request_gen({"messages": HI}), ctx, "small", other_tier)
+    assert k is not None and k.exact != base  # the tier's model is part of the key
+    k = cache.key(request_gen({"messages": HI}), CallContext({}, tenant="globex"), "small", POLICY)
+    assert k is not None and k.exact != base and k.scope is not None
+    completion = cache.key(request_gen({"prompt": HI[0]["content"]}), ctx, "small", POLICY)
+    assert completion is not None and completion.exact != base and completion.scope is not None
+    assert completion.text == HI[0]["content"]
+
+
+def test_what_is_cached_and_what_gets_a_semantic_scope() -> None:
+    cache, _ = semantic_cache()
+    ctx = CallContext({}, tenant="acme")
+    assert cache.key(request_gen({"messages": HI, "temperature": 0.7}), ctx, "small", POLICY) is None
+    assert cache.key(request_gen({"messages": HI, "temperature": 0.7, "top_k": 1}), ctx, "small", POLICY)
+    sampled = ResponseCache(CacheConfig(cache_sampled=True), MemoryStore(4))
+    assert sampled.key(request_gen({"messages": HI, "temperature": 0.7}), ctx, "small", POLICY) is not None
+    tool_last = [*HI, {"role": "assistant", "content": "Everest."}]
+    k = cache.key(request_gen({"messages": tool_last}), ctx, "small", POLICY)
+    assert k is not None and k.scope is None  # an assistant prefill: exact only
+    blank = cache.key(request_gen({"messages": [{"role": "user", "content": "   "}]}), ctx, "small", POLICY)
+    assert blank is not None and blank.scope is None
+    long = cache.key(
+        request_gen({"messages": [{"role": "user", "content": "word " * 200}]}), ctx, "small", POLICY
+    )
+    assert long is not None and long.scope is None  # past the embedder's window
+    plain = ResponseCache(CacheConfig(), MemoryStore(4))  # semantic off: no scope, no embedder needed
+    k = plain.key(request_gen({"messages": HI}), ctx, "small", POLICY)
+    assert k is not None and k.scope is None and k.text == ""
+    off = ResponseCache(
+        CacheConfig(semantic=SemanticCacheConfig(enabled=False)), MemoryStore(4), WordEmbedder()
+    )  # type: ignore[arg-type]
+    k = off.key(request_gen({"messages": HI}), ctx, "small", POLICY)
+    assert k is not None and k.scope is None
+
+
+async def test_lookups_report_hits_misses_and_never_serve_a_broken_entry() -> None:
+    telemetry = Counted()
+    embedder = WordEmbedder()
+    cfg = CacheConfig(ttl_s=60.0, semantic=SemanticCacheConfig(enabled=True, threshold=0.8))
+    store = MemoryStore(100)
+    cache = ResponseCache(cfg, store, embedder, telemetry)  # type: ignore[arg-type]
+    ctx = CallContext({}, tenant="acme")
+    key = cache.key(request_gen({"messages": HI}), ctx, "small", POLICY)
+    assert key is not None
+    assert await cache.lookup(key) is None
+    assert telemetry.counts == {"miss": 1} and telemetry.attrs == {"router.cache": "miss"}
+    await cache.store(key, answer("Everest."), Decision("small", "d", "why", 0.123456))
+    hit = await cache.lookup(key)
+    assert hit is not None and (hit.tier, hit.rule, hit.score, hit.kind, hit.similarity) == (
+        "small",
+        "d",
+        "0.1235",
+        "exact",
+        1.0,
+    )
+    assert telemetry.counts == {"miss": 1, "hit:exact": 1}
+    assert telemetry.attrs == {
+        "router.cache": "hit",
+        "router.cache.kind": "exact",
+        "router.cache.similarity": 1.0,
+    }
+    reworded = [{"role": "user", "content": "What is the tallest mountain in the whole world?"}]
+    near = cache.key(request_gen({"messages": reworded}), ctx, "small", POLICY)
+    assert near is not None
+    hit = await cache.lookup(near)
+    assert hit is not None and hit.kind == "semantic" and telemetry.counts["hit:semantic"] == 1
+    assert (
+        telemetry.attrs["router.cache.kind"] == "semantic"
+        and 0.8 <= float(telemetry.attrs["router.cache.similarity"]) < 1
+    )  # type: ignore[arg-type]
+    # Broken entries (another version, a corrupt store) are misses, exact and semantic alike.
+    for broken in ({"body": {"choices": []}, "tier": "small", "rule": "d", "score": "1"}, {"body": 3}, ["x"]):
+        store._data[key.exact] = (float("inf"), broken)  # type: ignore[assignment]
+        assert await cache.lookup(key) is None
+        assert await cache.lookup(near) is None
+    assert await cache.lookup(CacheKey(key.exact + "x", None, "")) is None  # no scope: exact only
+
+
+def test_the_semantic_index_is_bounded_and_replaces_a_key() -> None:
+    from router.cache import SemanticIndex
+
+    index = SemanticIndex(3)
+    e = np.eye(4, dtype=np.float32)
+    for i, key in enumerate("abcd"):
+        index.add("s", key, e[i], expires=10.0)
+    assert len(index) == 3 and index.best("s", e[0], 0.5, 0.0) is None  # a, the oldest, went
+    assert index.best("s", e[3], 0.5, 0.0) == ("d", 1.0)
+    index.add("s", "b", e[0], expires=10.0)  # b again: replaced, not duplicated
+    assert len(index) == 3 and index.best("s", e[1], 0.5, 0.0) is None
+    assert index.best("s", e[0], 0.5, 0.0) == ("b", 1.0)
+    assert index.best("t", e[0], 0.5, 0.0) is None  # another scope
+    assert index.best("s", (e[0] + e[2]) / np.sqrt(2), 0.8, 0.0) is None  # below the threshold
+    assert index.best("s", e[2], 1.0, 10.0) == ("c", 1.0)  # at its expiry: still live
+    assert index.best("s", e[2], 0.5, 10.5) is None and len(index) == 0  # past it: all dropped
+    for i in range(20):  # grows past its first 8 rows
+        index.add("s", f"k{i}", e[i % 4], expires=100.0)
+    assert len(index) == 3 and index.best("s", e[19 % 4], 0.9, 0.0) == ("k19", 1.0)
+
+
+def test_build_cache_picks_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    from router.cache import build_cache
+
+    def policy(cache: str) -> object:
+        return parse_policy(
+            "tiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n"
+            f"service: {{cache: {cache}}}\n"
+        )
+
+    assert build_cache(policy("{enabled: false}")) is None  # type: ignore[arg-type]
+    memory = build_cache(policy("{enabled: true, max_entries: 7}"))  # type: ignore[arg-type]
+    assert memory is not None and isinstance(memory.backend, MemoryStore) and memory.backend.max_entries == 7
+    assert memory.embedder is None
+    monkeypatch.delenv("UNIT_REDIS", raising=False)
+    fallback = build_cache(policy("{backend: redis, redis_url_env: UNIT_REDIS}"))  # type: ignore[arg-type]
+    assert fallback is not None and isinstance(fallback.backend, MemoryStore)
+    monkeypatch.setenv("UNIT_REDIS", "redis://127.0.0.1:1/0")
+    shared = build_cache(policy("{backend: redis, redis_url_env: UNIT_REDIS, redis_timeout_s: 0.3}"))  # type: ignore[arg-type]
+    assert shared is not None and isinstance(shared.backend, RedisStore) and shared.backend.timeout_s == 0.3
+    from router import embedder
+
+    monkeypatch.setattr(embedder.Embedder, "load", classmethod(lambda cls: WordEmbedder()))
+    semantic = build_cache(policy("{semantic: {enabled: true}}"))  # type: ignore[arg-type]
+    assert semantic is not None and isinstance(semantic.embedder, WordEmbedder)
+
+
+async def test_an_unreachable_redis_is_a_counted_miss_then_skipped(clock: FakeClock) -> None:
+    telemetry = Counted()
+    store = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.5, backoff_s=2.0, telemetry=telemetry)  # type: ignore[arg-type]
+    assert await store.get("k") is None
+    assert telemetry.counts == {"error:get": 1}
+    await store.set("k", {"v": 1}, 10.0)
+    assert await store.get("k") is None  # within the backoff: Redis not even tried
+    assert telemetry.counts == {"error:get": 1}
+    clock.now += 2.5
+    await store.set("k", {"v": 1}, 10.0)
+    assert telemetry.counts == {"error:get": 1, "error:set": 1}
+    await store.aclose()  # closing a dead connection does not raise
+
+
+@pytest.mark.redis
+async def test_undecodable_redis_values_are_counted_misses(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    telemetry = Counted()
+    store = RedisStore(redis_url, prefix="decode-test:", timeout_s=2.0, telemetry=telemetry)  # type: ignore[arg-type]
+    client = aioredis.from_url(redis_url)
+    try:
+        await client.set("decode-test:bad", b"\xff{")
+        await client.set("decode-test:list", b"[1, 2]")
+        assert await store.get("bad") is None and telemetry.counts == {"error:decode": 1}
+        assert await store.get("list") is None and telemetry.counts == {"error:decode": 1}
+        assert await store.get("absent") is None
+    finally:
+        await client.delete("decode-test:bad", "decode-test:list")
         await client.aclose()
         await store.aclose()
