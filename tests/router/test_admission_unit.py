@@ -267,3 +267,60 @@ def test_hold_counts_survive_concurrent_streams() -> None:
         assert "a" not in fair._held["small"]
 
     asyncio.run(scenario())
+
+
+def test_a_non_streaming_answer_that_cannot_finish_before_the_deadline_is_refused() -> None:
+    assert not TierPressure(False, 1.0, 5.0, finish_s=9.0).misses_deadline  # no deadline
+    assert not TierPressure(False, 1.0, 5.0, deadline_s=9.0).misses_deadline  # not predicted
+    assert not TierPressure(False, 1.0, 5.0, finish_s=9.0, deadline_s=9.0).misses_deadline
+    late = TierPressure(False, 1.0, 5.0, finish_s=9.5, deadline_s=9.0)
+    assert late.misses_deadline and late.refuses
+
+    class Timed(FakeEngine):
+        def __init__(self, rnd: tuple[float, float] | None) -> None:
+            super().__init__(Load(), wait_s=2.0)
+            self.rnd = rnd
+            self.rows: list[int] = []
+
+        def decode_round(self, rows: int) -> tuple[float, float] | None:
+            self.rows.append(rows)
+            return self.rnd
+
+    engine = Timed((0.05, 2.0))  # a round of 50 ms gives each row 2 tokens
+    tiers = Tiers({"small": Local(engine), "large": Remote(Client(Load()))})
+    p = tier_pressures(tiers, POLICY, 20.0, max_tokens=100)  # type: ignore[arg-type]
+    assert p["small"].finish_s == pytest.approx(2.0 + 100 / 2.0 * 0.05) and p["small"].deadline_s == 20.0
+    assert engine.rows == [1] and p["large"].finish_s is None  # remote tiers: not predicted
+    capped = tier_pressures(tiers, POLICY, 20.0, max_tokens=10**6)["small"].finish_s  # type: ignore[arg-type]
+    assert capped == pytest.approx(2.0 + POLICY.tiers["small"].max_model_len / 2.0 * 0.05)
+    assert tier_pressures(tiers, POLICY, None, max_tokens=100)["small"].finish_s is None  # type: ignore[arg-type]
+    assert tier_pressures(tiers, POLICY, 20.0)["small"].finish_s is None  # type: ignore[arg-type]  # a stream
+    for rnd in (None, (0.0, 2.0), (0.05, 0.0)):  # nothing measured yet: no prediction
+        engine.rnd = rnd
+        assert tier_pressures(tiers, POLICY, 20.0, max_tokens=100)["small"].finish_s is None  # type: ignore[arg-type]
+    plain = Tiers({"small": Local(FakeEngine())})  # an engine without decode_round
+    assert tier_pressures(plain, POLICY, 20.0, max_tokens=100)["small"].finish_s is None  # type: ignore[arg-type]
+
+    err = rejection(DECISION, {"small": TierPressure(False, 1.0, 5.0, finish_s=12.2, deadline_s=9.0)})
+    assert isinstance(err, OverloadedError) and err.code == "deadline_unreachable"
+    assert err.retry_after == 4 and err.spread_retries
+    close = rejection(DECISION, {"small": TierPressure(False, 5.0, 5.0, finish_s=9.1, deadline_s=9.0)})
+    assert close.code == "deadline_unreachable" and close.retry_after == 1.0
+    # Past the wait budget too, or full: those reasons come first.
+    assert rejection(
+        DECISION, {"small": TierPressure(False, 6.0, 5.0, finish_s=12.0, deadline_s=9.0)}
+    ).code == ("predicted_wait_exceeded")
+    assert (
+        rejection(DECISION, {"small": TierPressure(True, 1.0, 5.0, finish_s=12.0, deadline_s=9.0)}).code
+        != "deadline_unreachable"
+    )
+
+
+async def test_a_hold_counts_its_weight() -> None:
+    fair = FairShare()
+    many = fair.hold("small", "a", stream(1), weight=3)
+    assert fair._held["small"]["a"] == 3 and fair.over_share("small", "a", 3)
+    one = fair.hold("small", "a", stream(1))
+    assert fair._held["small"]["a"] == 4
+    assert [x async for x in many] == [1] and fair._held["small"]["a"] == 1
+    assert [x async for x in one] == [1] and "a" not in fair._held["small"]
