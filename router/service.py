@@ -51,20 +51,24 @@ _Gen = Generation  # the name before request types moved to router.calls
 
 
 class TenantLimiter:
-    """Per-tenant token buckets (``tenants.<name>.rate_limit_rpm``)."""
+    """Per-caller token buckets: requests (``rate_limit_rpm``) and tokens (``rate_limit_tpm``)."""
 
     def __init__(self) -> None:
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def check(self, tenant: str, rpm: int) -> float | None:
-        """None when allowed; otherwise the seconds until a request would be."""
+    def check(self, key: str, per_minute: int, cost: float = 1.0) -> float | None:
+        """None when allowed (``cost`` is charged); otherwise the seconds until it would be.
+
+        A cost above the bucket's size passes once the bucket is full and leaves it in debt, so a
+        large request is possible but paid for by the wait of the next ones."""
         t = time.monotonic()
-        tokens, last = self._buckets.get(tenant, (float(rpm), t))
-        tokens = min(float(rpm), tokens + (t - last) * rpm / 60.0)
-        if tokens < 1.0:
-            self._buckets[tenant] = (tokens, t)
-            return (1.0 - tokens) * 60.0 / rpm
-        self._buckets[tenant] = (tokens - 1.0, t)
+        tokens, last = self._buckets.get(key, (float(per_minute), t))
+        tokens = min(float(per_minute), tokens + (t - last) * per_minute / 60.0)
+        need = min(cost, float(per_minute))
+        if tokens < need:
+            self._buckets[key] = (tokens, t)
+            return (need - tokens) * 60.0 / per_minute
+        self._buckets[key] = (tokens - cost, t)
         return None
 
 
@@ -354,6 +358,37 @@ class RouterService:
             who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
             raise RateLimitError(f"Rate limit reached for {who}.", retry_after=max(1.0, wait))
 
+    def _check_tokens(self, ctx: CallContext, gen: Generation, prompt_tokens: int, default_max: int) -> None:
+        """The caller's ``rate_limit_tpm``: prompt tokens plus n x max_tokens, charged at admission
+        (after the cache: a hit costs nothing). Its own bucket, beside the requests'."""
+        if ctx.principal is None:
+            return
+        policy = self.policy
+        cfg = policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
+        if cfg is None and ctx.tenant is not None:
+            cfg = policy.tenants.get("default")
+        tpm = cfg.rate_limit_tpm if cfg is not None and cfg.rate_limit_tpm is not None else None
+        if tpm is None:
+            tpm = policy.service.auth.rate_limit_tpm
+        if tpm is None:
+            return
+        spec = gen.output
+        choices = max(spec.n, spec.best_of) if spec is not None else 1
+        asked = _collected_max_tokens(gen.request) if not gen.stream else None
+        if asked is None:
+            req = gen.request
+            asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
+        cost = prompt_tokens + choices * asked
+        wait = self.limiter.check("tokens\x00" + ctx.principal, tpm, cost)
+        if wait is not None:
+            who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
+            raise RateLimitError(
+                f"Token rate limit reached for {who}: this request costs {cost} tokens "
+                f"(prompt + n x max_tokens) of {tpm} a minute.",
+                code="tokens_per_minute_exceeded",
+                retry_after=max(1.0, wait),
+            )
+
     async def _generate(self, gen: Generation, ctx: CallContext) -> Completion:
         tiers = self._require_tiers()
         gen.ctx = ctx
@@ -390,6 +425,8 @@ class RouterService:
                     return self._cached_completion(gen, d, headers, hit)
         if cache is not None:
             headers["x-router-cache"] = "miss"
+        if not d.rejected:
+            self._check_tokens(ctx, gen, routed.prompt_tokens, policy.tiers[d.tier].defaults.max_tokens)
         if d.rejected:
             self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)
             self.fair.note(d.tier, ctx.principal)  # a refused caller still claims its share

@@ -360,6 +360,8 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
             ctx.error(("tenants", tenant, "allowed_tiers"), "must name at least one tier")
         if cfg.rate_limit_rpm is not None and cfg.rate_limit_rpm < 1:
             ctx.error(("tenants", tenant, "rate_limit_rpm"), "must be >= 1")
+        if cfg.rate_limit_tpm is not None and cfg.rate_limit_tpm < 1:
+            ctx.error(("tenants", tenant, "rate_limit_tpm"), "must be >= 1")
     svc = policy.service
     auth = svc.auth
     if auth.mode == "open":
@@ -371,6 +373,8 @@ def _check(policy: Policy, ctx: _Ctx) -> None:
                 )
     if auth.rate_limit_rpm is not None and auth.rate_limit_rpm < 1:
         ctx.error(("service", "auth", "rate_limit_rpm"), "must be >= 1")
+    if auth.rate_limit_tpm is not None and auth.rate_limit_tpm < 1:
+        ctx.error(("service", "auth", "rate_limit_tpm"), "must be >= 1")
     if svc.cache.redis_timeout_s <= 0:
         ctx.error(("service", "cache", "redis_timeout_s"), "must be > 0")
     if svc.max_request_timeout_s <= 0:

@@ -249,6 +249,10 @@ class TenantConfig:
     """Tiers this tenant may use (default: all). A decision above them is capped to the highest allowed."""
     rate_limit_rpm: int | None = None
     """Requests per minute for this tenant (token bucket); null = unlimited."""
+    rate_limit_tpm: int | None = None
+    """Tokens per minute for this tenant: each generation costs its prompt tokens plus
+    n x max_tokens, charged at admission (a request larger than the bucket passes only when the
+    bucket is full, and leaves it in debt); null = unlimited."""
     priority: Literal["low", "normal", "high"] = "normal"
     """Admission under load: the wait a request may be predicted to have is half the tier's
     ``max_queue_wait_s`` for ``low`` (shed first), twice it for ``high``."""
@@ -270,6 +274,9 @@ class AuthConfig:
     rate_limit_rpm: int | None = None
     """Requests per minute for each caller (tenant, or key without a tenant) that has no
     ``tenants.<name>.rate_limit_rpm`` of its own; null = unlimited."""
+    rate_limit_tpm: int | None = None
+    """Tokens per minute (prompt + n x max_tokens) for each caller without a
+    ``tenants.<name>.rate_limit_tpm`` of its own; null = unlimited."""
 
 
 @dataclass(slots=True)

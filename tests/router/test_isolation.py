@@ -21,6 +21,7 @@ TENANTS = """tenants:
   team-x: {allowed_tiers: [small, medium]}
   team-y: {allowed_tiers: [small, medium], rate_limit_rpm: 1000}
   team-r: {rate_limit_rpm: 3}
+  team-t: {rate_limit_tpm: 100}
 routing:
 """
 
@@ -35,7 +36,7 @@ def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, feedback_log: Path
 ) -> Iterator[Server]:
     # Two keys without a tenant, a tenant the policy caps, one it does not name, one rate limited.
-    os.environ[KEYS_ENV] = "sk-a, sk-b, sk-x:team-x, sk-ghost:ghost, sk-r:team-r"
+    os.environ[KEYS_ENV] = "sk-a, sk-b, sk-x:team-x, sk-ghost:ghost, sk-r:team-r, sk-t:team-t"
     path = tmp_path_factory.mktemp("isolation") / "policy.yaml"
     text = tiny_policy_yaml(
         tiny_model_dir,
@@ -97,7 +98,6 @@ def test_tenantless_keys_do_not_share_the_prefix_cache(server: Server) -> None:
     KV key A's identical prompt had warmed (and B could time A's prompts)."""
     prompt = " ".join(f"word{i}" for i in range(25))
     nc = {"cache-control": "no-cache"}
-
 
     def cached(key: str, text: str) -> int:
         r = _chat(server, key, text, headers=nc)
@@ -219,3 +219,17 @@ def test_a_5000_property_schema_is_a_400_before_any_compilation(server: Server) 
     fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
     r = _chat(server, "sk-a", "json please", response_format=fmt)
     assert r.status_code == 400 and "max_schema_depth" in r.json()["error"]["message"]
+
+
+def test_tokens_per_minute_count_prompt_plus_n_times_max_tokens(server: Server) -> None:
+    """Bug: limits counted requests only: an n=16, 256-token request cost the same as a 1-token
+    one. ``rate_limit_tpm: 100``: 60 tokens pass, 60 more do not, 1 more does."""
+    nc = {"cache-control": "no-cache"}
+    assert _chat(server, "sk-t", "hi", max_tokens=60, headers=nc).status_code == 200
+    over = _chat(server, "sk-t", "hi", max_tokens=60, headers=nc)
+    assert over.status_code == 429, over.text
+    assert over.json()["error"]["code"] == "tokens_per_minute_exceeded"
+    assert float(over.headers["retry-after"]) >= 1
+    assert _chat(server, "sk-t", "hi", max_tokens=1, headers=nc).status_code == 200
+    wide = _chat(server, "sk-t", "hi", max_tokens=10, n=16, headers=nc)
+    assert wide.status_code == 429  # 160 tokens: more than the bucket holds now
