@@ -61,7 +61,10 @@ MODULES: dict[str, list[str]] = {
         "x_tenant_is_ignored or keys_parse or unreadable or unit",
     ],
     "router/admission.py": ["tests/router/test_admission_unit.py"],
-    "router/policy/decide.py": ["tests/router/policy/test_decide.py"],
+    "router/policy/decide.py": [
+        "tests/router/policy/test_decide.py",
+        "tests/router/policy/test_load_aware.py",
+    ],
 }
 
 # Survivors no test can tell from the original: (module, the changed source line as mutated, why).
@@ -76,6 +79,21 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("router/auth.py", 'return Path(self.config.api_keys_file).read_text(encoding="UTF-8")', _UTF8),
     ("router/auth.py", "found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding=None))", _LOCALE),
     ("router/auth.py", "return Path(self.config.api_keys_file).read_text(encoding=None)", _LOCALE),
+    (
+        "router/admission.py",
+        "wait = p.wait_s if p is not None else 1.0",
+        "only read as max(1.0, ceil(wait)): 0.0 and 1.0 both give a Retry-After of 1 s",
+    ),
+    (
+        "router/admission.py",
+        "cfg = policy.tenants.get(tenant) if (tenant is not None) or True else None",
+        "tenants are keyed by strings (the loader refuses other keys): tenants.get(None) is None either way",
+    ),
+    (
+        "router/admission.py",
+        'wait = float(getattr(load, "predicted_wait_s", None) or 0.0)',
+        "a load without the field gives None instead of 0.0, and `or 0.0` makes both 0.0",
+    ),
 ]
 
 STATUS = {1: "killed", 3: "killed", 36: "killed", 24: "killed", -24: "killed", 152: "killed", 255: "killed"}

@@ -324,3 +324,71 @@ async def test_a_hold_counts_its_weight() -> None:
     assert fair._held["small"]["a"] == 4
     assert [x async for x in many] == [1] and fair._held["small"]["a"] == 1
     assert [x async for x in one] == [1] and "a" not in fair._held["small"]
+
+
+async def test_edges_of_shares_waits_and_closing(clock: Clock) -> None:
+    """Boundaries the tests above leave open (found by make mutation)."""
+    fair = FairShare()  # the default window: 10 s
+    fair.note("small", "b")
+    a = fair.hold("small", "a", stream())
+    clock.now += 10.5
+    assert fair.over_share("small", "a", 1)  # b has left the split; one place, a holds it
+    fair.note("small", "b")
+    one = fair.hold("small", "b", stream())
+    assert fair.over_share("small", "b", 1)  # capacity below the callers: still one each
+    fair2 = FairShare()
+    fair2.note("small", "x")
+    two = [fair2.hold("small", "y", stream()) for _ in range(2)]
+    assert fair2.over_share("small", "y", 5)  # 5 // 2 = 2 places, not 2.5
+    assert a and one and two
+    # Closing a held stream closes the stream under it.
+    closed: list[bool] = []
+
+    async def inner() -> AsyncIterator[int]:
+        try:
+            yield 1
+            yield 2
+        finally:
+            closed.append(True)
+
+    held = fair.hold("small", "c", inner())
+    assert await anext(held) == 1
+    await held.aclose()  # type: ignore[attr-defined]
+    assert closed == [True]
+    assert client_deadline_s({"x-request-timeout": "0.5"}, POLICY) == 0.5
+
+
+class Bare:
+    """A load with only what every backend reports."""
+
+    is_full = False
+
+
+def test_pressure_defaults_and_skipped_tiers_and_messages() -> None:
+    class Measured(FakeEngine):
+        def decode_round(self, rows: int) -> tuple[float, float]:
+            return (0.1, 1.0)  # one token a row a round
+
+    bare = Measured(Bare(), wait_s=1.0)  # type: ignore[arg-type]
+    tiers = Tiers({"gone": Local(FakeEngine()), "small": Local(bare), "large": Remote(Client(Bare()))})  # type: ignore[arg-type]
+    p = tier_pressures(tiers, POLICY, 30.0, max_tokens=10)  # type: ignore[arg-type]
+    assert set(p) == {"small", "large"}  # a tier the policy lacks is skipped, not the end
+    assert p["small"].circuit_open_s is None and p["small"].finish_s == pytest.approx(1.0 + 10 * 0.1)
+    assert p["large"].wait_s == 0.0 and p["large"].circuit_open_s is None
+    zero = Tiers({"large": Remote(Client(Load(predicted_wait_s=0.0)))})
+    assert tier_pressures(zero, POLICY, None)["large"].wait_s == 0.0  # type: ignore[arg-type]
+    # A wait exactly at the budget is not the reason given.
+    at = rejection(DECISION, {"small": TierPressure(False, 5.0, 5.0)})
+    assert at.code not in ("predicted_wait_exceeded", "fair_share_exceeded", "deadline_unreachable")
+    reasons = [
+        TierPressure(True, 9.0, 1.0, circuit_open_s=2.0),
+        TierPressure(False, 1.0, 5.0, finish_s=12.0, deadline_s=9.0),
+        TierPressure(False, 1.0, 5.0, over_share=True),
+        TierPressure(False, 9.0, 5.0),
+        TierPressure(True, 1.0, 5.0),
+    ]
+    for p_ in reasons:
+        message = rejection(DECISION, {"small": p_}).message
+        assert isinstance(message, str) and "Tier 'small'" in message
+    deadline = rejection(DECISION, {"small": reasons[1]}).message
+    assert deadline.endswith("lower max_tokens, stream, or retry later.")
