@@ -17,8 +17,14 @@ from benchmarks.common import PROMPTS, plot_path, write_json
 
 POINTS: dict[str, dict[str, Any]] = {
     "large: fp32": {"quantization": "none", "dtype": "float32"},
-    "medium: int4 g32": {"quantization": "int4", "group_size": 32},
-    "small: int4 g64 + int4 head": {"quantization": "int4", "group_size": 64, "int4_head": True},
+    "medium: int4 g32, W4A8": {"quantization": "int4", "group_size": 32, "int8_activations": True},
+    "small: int4 g64 + int4 head, W4A8": {
+        "quantization": "int4",
+        "group_size": 64,
+        "int4_head": True,
+        "int8_activations": True,
+    },
+    "(candidate) int4 g32, bf16 activations": {"quantization": "int4", "group_size": 32},
     "(candidate) int8": {"quantization": "int8"},
     "(candidate) int4 g32 + int4 head": {"quantization": "int4", "group_size": 32, "int4_head": True},
 }
