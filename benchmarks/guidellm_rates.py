@@ -80,6 +80,28 @@ def _median(bench: dict[str, Any], metric: str) -> float | None:
     return round(float(value), 3) if value is not None else None
 
 
+def _errors(requests: list[Any], keep: int = 3) -> dict[str, int]:
+    """How often each error message (status and body, as guidellm recorded it) occurred; at most
+    ``keep`` distinct messages, each cut to 200 characters."""
+    counts: dict[str, int] = {}
+
+    def walk(node: Any) -> str | None:
+        if isinstance(node, dict):
+            if isinstance(node.get("error"), str):
+                return str(node["error"])
+            for value in node.values():
+                found = walk(value)
+                if found is not None:
+                    return found
+        return None
+
+    for request in requests:
+        message = (walk(request) or "unknown")[:200]
+        if message in counts or len(counts) < keep:
+            counts[message] = counts.get(message, 0) + 1
+    return counts
+
+
 def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per benchmark (one per rate): the strategy's rate and the request counts by outcome."""
     rows = []
@@ -98,9 +120,15 @@ def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "ttft_ms_p50": _median(bench, "time_to_first_token_ms"),
                 "latency_s_p50": _median(bench, "request_latency"),
                 "output_tokens_p50": _median(bench, "output_token_count"),
+                "errors": _errors((bench.get("requests") or {}).get("errored") or []),
             }
         )
     return rows
+
+
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main() -> None:
@@ -115,6 +143,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--format", choices=sorted(FORMATS), default="chat")
+    parser.add_argument("--name", default="guidellm", help="results file name (benchmarks/results/NAME.json)")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     # A shared, busy machine may take many minutes to load and warm up three tiers.
@@ -135,7 +164,7 @@ def main() -> None:
     rows = summarize(report)
     result = {
         "machine": machine(),
-        "policy": str(Path(args.policy).resolve().relative_to(ROOT)),
+        "policy": _shown(Path(args.policy)),
         "endpoint": FORMATS[args.format],
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
@@ -144,7 +173,7 @@ def main() -> None:
         "ok": bool(rows) and all((r["errored"] or 0) == 0 and (r["successful"] or 0) > 0 for r in rows),
     }
     print(json.dumps(result, indent=2))
-    write_json(f"guidellm_{args.format}" if args.format != "chat" else "guidellm", result)
+    write_json(args.name, result)
     if not result["ok"]:
         raise SystemExit("guidellm saw errored requests (or none succeeded)")
 
