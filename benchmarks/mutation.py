@@ -80,6 +80,16 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("router/auth.py", "found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding=None))", _LOCALE),
     ("router/auth.py", "return Path(self.config.api_keys_file).read_text(encoding=None)", _LOCALE),
     (
+        "router/auth.py",
+        'authorization = "bearer " + headers["x-api-key"]',
+        "the scheme is compared lower-cased (ApiKeys.lookup): 'bearer' is 'Bearer'",
+    ),
+    (
+        "router/auth.py",
+        'authorization = "BEARER " + headers["x-api-key"]',
+        "the scheme is compared lower-cased (ApiKeys.lookup): 'BEARER' is 'Bearer'",
+    ),
+    (
         "router/admission.py",
         "wait = p.wait_s if p is not None else 1.0",
         "only read as max(1.0, ceil(wait)): 0.0 and 1.0 both give a Retry-After of 1 s",
