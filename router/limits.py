@@ -29,11 +29,13 @@ def _refuse(param: str, what: str, limit: int, key: str) -> BadRequestError:
     )
 
 
-def schema_size(schema: Any, max_nodes: int, max_depth: int) -> tuple[int, int]:
-    """``(nodes, depth)`` of a JSON value, counting stops once either passes its bound (so a
-    huge schema costs no more than ``max_nodes`` steps to refuse)."""
+def schema_size(schema: Any, max_nodes: int, max_depth: int) -> tuple[int, int, int]:
+    """``(nodes, depth, widest)`` of a JSON value (``widest``: the most ``properties`` of one
+    object); counting stops once nodes or depth pass their bound (so a huge schema costs no more
+    than ``max_nodes`` steps to refuse)."""
     nodes = 0
     deepest = 0
+    widest = 0
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         value, depth = stack.pop()
@@ -42,18 +44,24 @@ def schema_size(schema: Any, max_nodes: int, max_depth: int) -> tuple[int, int]:
         if nodes > max_nodes or deepest > max_depth:
             break
         if isinstance(value, dict):
+            props = value.get("properties")
+            if isinstance(props, dict):
+                widest = max(widest, len(props))
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
-    return nodes, deepest
+    return nodes, deepest, widest
 
 
 def _check_schema(param: str, schema: Any, limits: LimitsConfig) -> None:
-    nodes, depth = schema_size(schema, limits.max_schema_nodes, limits.max_schema_depth)
+    nodes, depth, widest = schema_size(schema, limits.max_schema_nodes, limits.max_schema_depth)
     if nodes > limits.max_schema_nodes:
         raise _refuse(param, "has too many schema nodes", limits.max_schema_nodes, "max_schema_nodes")
     if depth > limits.max_schema_depth:
         raise _refuse(param, "is nested too deeply", limits.max_schema_depth, "max_schema_depth")
+    if widest > limits.max_schema_properties:
+        why = f"has an object of {widest} properties"
+        raise _refuse(param, why, limits.max_schema_properties, "max_schema_properties")
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsConfig) -> None:

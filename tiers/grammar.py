@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -198,7 +199,15 @@ class GrammarCompiler:
             raise GrammarError(messages[0] if messages else "invalid grammar")
         matcher = LLMatcher(self._lltok, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(_short_error(matcher.get_error()))
+        # The first mask, on a copy: a schema whose first row already passes llguidance's parser
+        # limits (an object of ~800 optional properties) compiles, then errors at the first step,
+        # which the engine could only report as a failed generation (a 500). Here it is a 400.
+        probe = matcher.deep_copy()
+        bits = np.zeros(((self.vocab_size + 31) // 32,), dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if probe.is_error():
+            raise GrammarError("the schema is too complex to enforce: " + _short_error(probe.get_error()))
         with self._lock:
             self.misses += 1
             self._templates[spec.key] = matcher
@@ -212,6 +221,13 @@ class GrammarCompiler:
 
     def constraint(self, spec: GrammarSpec) -> GrammarConstraint:
         return GrammarConstraint(self._template(spec).deep_copy(), self.vocab_size, self.eos_token_id)
+
+
+def _short_error(message: str) -> str:
+    """llguidance's error without the state dump and grammar it appends (kilobytes of JSON)."""
+    found = re.search(r"Error: ([^\n<]+)", message)
+    line = found.group(1) if found else message.split("\n", 1)[0]
+    return line.strip()[:300]
 
 
 _compilers: dict[int, tuple[Any, GrammarCompiler]] = {}

@@ -356,6 +356,10 @@ class LimitsConfig:
     ``parameters``), counted together: the grammar compiled from it grows with it."""
     max_schema_depth: int = 24
     """Nesting depth of one JSON schema."""
+    max_schema_properties: int = 300
+    """Properties of one object in a schema: the grammar's parser row grows with the optional
+    properties it may take next (llguidance's limit was passed at ~550 of them, a failed
+    generation)."""
     grammar_timeout_s: float = 5.0
     """Wall-clock budget for compiling one schema's grammar (off the event loop); past it, 400."""
 

@@ -219,6 +219,13 @@ def test_a_5000_property_schema_is_a_400_before_any_compilation(server: Server) 
     fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
     r = _chat(server, "sk-a", "json please", response_format=fmt)
     assert r.status_code == 400 and "max_schema_depth" in r.json()["error"]["message"]
+    # Under the node bound, but wider than the grammar parser can follow: it compiled, then the
+    # first generated token passed llguidance's row limit, a 500 "grammar rejected a sampled token".
+    wide = {"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(600)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide}}
+    r = _chat(server, "sk-a", "json please", response_format=fmt, max_tokens=8)
+    assert r.status_code == 400, r.text
+    assert "max_schema_properties" in r.json()["error"]["message"]
 
 
 def test_tokens_per_minute_count_prompt_plus_n_times_max_tokens(server: Server) -> None:

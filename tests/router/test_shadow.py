@@ -214,3 +214,32 @@ def test_a_real_request_preempts_running_shadow_answers(tmp_path: Path) -> None:
     assert rec.requests.labels("medium", "preempted")._value.get() == 1
     assert rec.requests.labels("medium", "recorded")._value.get() == 0
     assert rec.in_flight._value.get() == 0 and not (tmp_path / "s.jsonl").exists()
+
+
+def test_a_shadow_of_an_n_choice_answer_generates_one_choice(
+    shadow_server: Server, logs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: the shadow request was given n=1 but kept the served request's output spec, so
+    n sequences were submitted to the shadow tier and only the first was ever read (the other
+    n-1 ran to their end, unaborted)."""
+    engine = shadow_server.engine("medium")
+    sizes: list[int] = []
+    submit_n = engine.submit_n
+
+    def many(ids: Any, params: Any, **kw: Any) -> Any:  # Engine.submit goes through it too
+        sizes.append(len(params))
+        return submit_n(ids, params, **kw)
+
+    monkeypatch.setattr(engine, "submit_n", many)
+    shadow_log = logs / "shadow.jsonl"
+    before = len(shadow_log.read_text().splitlines()) if shadow_log.is_file() else 0
+    r = httpx.post(
+        shadow_server.url + "/v1/chat/completions",
+        json={"model": "auto", "messages": HI, "max_tokens": 4, "n": 3, "temperature": 0.5},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert r.headers["x-router-tier"] == "small"
+    _lines(shadow_log, before + 1)
+    assert sizes == [1]
+    shadow_server.wait_idle()
