@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from router.calls import CachedAnswer
+from router.embedder import MAX_TOKENS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -334,7 +335,10 @@ class ResponseCache:
                 text = gen.prompt
                 scope = _digest([*head, "semantic"])
             assert self.embedder is not None
-            if scope is not None and (not text.strip() or not self.embedder.sees_whole(text)):
+            # Each word is at least one token: past MAX_TOKENS words the text cannot fit, and a
+            # long prompt is not tokenized on the event loop only to learn that.
+            too_long = len(text) > MAX_TOKENS and len(text.split(maxsplit=MAX_TOKENS)) > MAX_TOKENS
+            if scope is not None and (too_long or not text.strip() or not self.embedder.sees_whole(text)):
                 scope = None  # a truncated embedding would match prompts sharing only a prefix
         return CacheKey(exact, scope, text)
 
