@@ -88,14 +88,11 @@ def _handler(state: Upstream) -> type[BaseHTTPRequestHandler]:
             if state.mode == "slow":
                 state.hold.wait(30)
             chat = self.path.endswith("/chat/completions")
-            piece = {"delta": {"content": "hello"}} if chat else {"text": "hello"}
-            chunks = [
+            piece: dict[str, Any] = {"delta": {"content": "hello"}} if chat else {"text": "hello"}
+            end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
+            chunks: list[dict[str, Any]] = [
                 {"choices": [{"index": 0, **piece, "finish_reason": None}]},
-                {
-                    "choices": [
-                        {"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "stop"}
-                    ]
-                },
+                {"choices": [{"index": 0, **end, "finish_reason": "stop"}]},
                 {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
             ]
             sse = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
