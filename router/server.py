@@ -127,7 +127,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.limit_concurrency = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._counted: str | None = None
-        self._forwarded: list[str] = []
+        self._forwarded: list[str | None] = []
         self._over_cap = False
         ip = self.client[0] if self.client else None
         cap = self.limits.max_connections_per_client
@@ -147,7 +147,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._uncount(self._counted)
             self._counted = None
         for client in self._forwarded:
-            self._uncount(client)
+            if client is not None:
+                self._uncount(client)
         self._forwarded.clear()
         super().connection_lost(exc)
 
@@ -163,7 +164,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         path = self.url.split(b"?", 1)[0]
-        refusal = None if path in PROBE_PATHS else self._refusal()
+        refusal, counted = (None, None) if path in PROBE_PATHS else self._refusal()
+        if self.client is not None and self.client[0] in self.limits.trusted_proxies:
+            self._forwarded.append(counted)  # one entry per request, taken at its response
         app = self.app
         if refusal is not None:
             self.app = refusal
@@ -172,22 +175,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         finally:
             self.app = app
 
-    def _refusal(self) -> Any:
-        """The refusing app for this request, or None to serve it; counts a forwarded request."""
+    def _refusal(self) -> tuple[Any, str | None]:
+        """The refusing app for this request (None: serve it), and the forwarded client it was
+        counted against (None: not counted)."""
         if self._over_cap:
-            return _TOO_MANY_CONNECTIONS
+            return _TOO_MANY_CONNECTIONS, None
         limit = self.limits.max_connections
         if limit and (len(self.connections) >= limit or len(self.tasks) >= limit):
-            return _OVERLOADED
+            return _OVERLOADED, None
         cap = self.limits.max_connections_per_client
         if cap > 0 and self.client is not None and self.client[0] in self.limits.trusted_proxies:
             client = self._forwarded_for()
             if client is not None:
                 if self.per_client[client] >= cap:
-                    return _TOO_MANY_REQUESTS
+                    return _TOO_MANY_REQUESTS, None
                 self.per_client[client] += 1
-                self._forwarded.append(client)
-        return None
+                return None, client
+        return None, None
 
     def _forwarded_for(self) -> str | None:
         """The client a trusted proxy names: the last ``X-Forwarded-For`` entry (the one the
@@ -200,7 +204,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         if self._forwarded:
-            self._uncount(self._forwarded.pop(0))
+            client = self._forwarded.pop(0)
+            if client is not None:
+                self._uncount(client)
         super().on_response_complete()
 
     def _arm_head_timer(self) -> None:
