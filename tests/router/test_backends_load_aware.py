@@ -4,13 +4,14 @@ state, driving decide() in load-aware mode (fake engines: the step costs are giv
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from router.backends import LocalTier, TierSet
 from router.policy.decide import RouteRequest, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig
+from tests.router.policy.test_decide import Score
 
 POLICY = parse_policy(
     textwrap.dedent("""
@@ -28,13 +29,6 @@ POLICY = parse_policy(
       fallback: {small: medium, medium: large, large: null}
     """)
 )
-
-
-@dataclass
-class Score:
-    value: float = 0.1
-    tier: str = "small"
-    probabilities: dict[str, float] = field(default_factory=lambda: {"small": 1.0})
 
 
 @dataclass

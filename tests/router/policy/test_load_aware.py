@@ -5,13 +5,13 @@ them from engine loads)."""
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass, field
 
 import pytest
 
 from router.errors import PolicyError
 from router.policy.decide import RouteRequest, decide
 from router.policy.loader import parse_policy
+from tests.router.policy.test_decide import Score
 
 YAML = """
 version: 1
@@ -41,13 +41,6 @@ routing:
 """
 LOAD_AWARE = parse_policy(textwrap.dedent(YAML.replace("MODE", "load_aware")))
 STATIC = parse_policy(textwrap.dedent(YAML.replace("MODE", "static")))
-
-
-@dataclass
-class Score:
-    value: float
-    tier: str = "small"
-    probabilities: dict[str, float] = field(default_factory=lambda: {"small": 1.0})
 
 
 def route(costs: dict[str, float], score: float = 0.1, policy=LOAD_AWARE, load=None, **kw):  # type: ignore[no-untyped-def]
