@@ -54,7 +54,7 @@ class Server:
         raise AssertionError(f"not idle: engines {loads}, {self.service.in_flight} in flight")
 
 
-def start_server(policy_path: Path, **app_kwargs: Any) -> tuple[Server, Any]:
+def start_server(policy_path: Path, ready_timeout_s: float = 120, **app_kwargs: Any) -> tuple[Server, Any]:
     import uvicorn
 
     from router.app import create_app
@@ -67,7 +67,7 @@ def start_server(policy_path: Path, **app_kwargs: Any) -> tuple[Server, Any]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         try:
             if httpx.get(url + "/readyz", timeout=2).status_code == 200:
