@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def server(embedded_model_dir: Path) -> Iterator[Server]:
-    srv, stop = start_server(ROOT / "policies/default.yaml", watch_policy=False)
+    # Three real tiers warm up and profile (about a minute alone, several on a busy machine).
+    srv, stop = start_server(ROOT / "policies/default.yaml", ready_timeout_s=900, watch_policy=False)
     yield srv
     stop()
 
@@ -57,3 +58,41 @@ def test_default_policy_answers_for_real(server: Server) -> None:
         ],
     )
     assert hard.headers["x-router-tier"] == "large"
+
+
+def test_load_aware_mode_prices_every_embedded_tier_from_its_warm_up(server: Server) -> None:
+    # Catches: an engine whose decode step was never measured (warm-up profiles only drafting
+    # tiers' costs) dropping out of load-aware routing silently - every tier must carry a price.
+    import dataclasses
+
+    import httpx
+
+    service = server.service
+    static = service.policy
+    service.policy = dataclasses.replace(
+        static, routing=dataclasses.replace(static.routing, mode="load_aware")
+    )
+    try:
+        server.wait_idle()
+        r = httpx.post(
+            server.url + "/v1/route",
+            json={
+                "model": "auto",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+            timeout=30,
+        )
+    finally:
+        service.policy = static
+    assert r.status_code == 200
+    body = r.json()
+    assert "load-aware (" in body["reason"]
+    priced = body["reason"].split("load-aware (")[1].split(")")[0]
+    floor = {"small": 0, "medium": 1, "large": 2}[body["rule"].removeprefix("load:").split("-")[-1]]
+    assert [t for t in ("small", "medium", "large")[floor:] if f"{t} " in priced] == [
+        "small",
+        "medium",
+        "large",
+    ][floor:]
+    # On an idle device the cheapest acceptable tier wins: the one the rule named.
+    assert not body["rule"].startswith("load:")
