@@ -156,7 +156,7 @@ async def _phase(client: httpx.AsyncClient, clients: int, model: str, prompts: l
     return {
         "wall_s": round(wall, 2),
         "mean_latency_s": round(sum(latencies) / len(latencies), 3),
-        "p90_latency_s": round(percentile(latencies, 90), 3),
+        "p90_latency_s": round(percentile(latencies, 0.9), 3),
         "tokens_per_s": round(tokens / wall, 1),
         "requests": len(prompts),
         "status": dict(status),
