@@ -5,6 +5,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,26 @@ def start_server(policy_path: Path, ready_timeout_s: float = 120, **app_kwargs: 
         thread.join(30)
 
     return Server(url, app, policy_path), stop
+
+
+@contextmanager
+def keyed_tiny_server(model_dir: Path, policy_dir: Path, keys_env: str, keys: str) -> Iterator[Server]:
+    """The tiny tiers in keys mode (``keys`` as ``key:tenant`` entries in ``$keys_env``) with room
+    for long tool prompts; no response cache, so every answer is generated."""
+    import os
+
+    from tests.fixtures import tiny_policy_yaml
+
+    os.environ[keys_env] = keys
+    path = policy_dir / "policy.yaml"
+    text = tiny_policy_yaml(model_dir, cache_enabled=False, auth=f"{{mode: keys, api_keys_env: {keys_env}}}")
+    path.write_text(text.replace("max_model_len: 256", "max_model_len: 1024"))  # tool prompts are long
+    srv, stop = start_server(path, watch_policy=False)
+    try:
+        yield srv
+    finally:
+        stop()
+        os.environ.pop(keys_env, None)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,7 @@ import pytest
 from anthropic.types import message_create_params
 
 from router.anthropic_messages import MessagesRequest
-from tests.fixtures import tiny_policy_yaml
-from tests.router.conftest import Server, start_server
+from tests.router.conftest import Server, keyed_tiny_server
 
 KEYS_ENV = "TEST_MESSAGES_KEYS"
 KEY = "sk-msg-a"
@@ -37,16 +35,10 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    os.environ[KEYS_ENV] = f"{KEY}:team-a"
-    path = tmp_path_factory.mktemp("messages") / "policy.yaml"
-    text = tiny_policy_yaml(
-        tiny_model_dir, cache_enabled=False, auth=f"{{mode: keys, api_keys_env: {KEYS_ENV}}}"
-    )
-    path.write_text(text.replace("max_model_len: 256", "max_model_len: 1024"))  # tool prompts are long
-    srv, stop = start_server(path, watch_policy=False)
-    yield srv
-    stop()
-    os.environ.pop(KEYS_ENV, None)
+    with keyed_tiny_server(
+        tiny_model_dir, tmp_path_factory.mktemp("messages"), KEYS_ENV, f"{KEY}:team-a"
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

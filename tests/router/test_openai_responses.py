@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,8 +18,7 @@ from openai.types.responses import response_create_params
 from pydantic import BaseModel
 
 from router.openai_responses import ResponsesRequest, ResponseStore
-from tests.fixtures import tiny_policy_yaml
-from tests.router.conftest import Server, start_server
+from tests.router.conftest import Server, keyed_tiny_server
 
 KEYS_ENV = "TEST_RESPONSES_KEYS"
 KEY_A, KEY_B = "sk-resp-a", "sk-resp-b"
@@ -40,16 +38,10 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    os.environ[KEYS_ENV] = f"{KEY_A}:team-a, {KEY_B}:team-b"
-    path = tmp_path_factory.mktemp("responses") / "policy.yaml"
-    text = tiny_policy_yaml(
-        tiny_model_dir, cache_enabled=False, auth=f"{{mode: keys, api_keys_env: {KEYS_ENV}}}"
-    )
-    path.write_text(text.replace("max_model_len: 256", "max_model_len: 1024"))  # tool prompts are long
-    srv, stop = start_server(path, watch_policy=False)
-    yield srv
-    stop()
-    os.environ.pop(KEYS_ENV, None)
+    with keyed_tiny_server(
+        tiny_model_dir, tmp_path_factory.mktemp("responses"), KEYS_ENV, f"{KEY_A}:team-a, {KEY_B}:team-b"
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
