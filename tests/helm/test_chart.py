@@ -476,6 +476,32 @@ def test_model_cache_persistence(multi: Rendered, render: Callable[..., Rendered
     assert r.volume("model-cache")["persistentVolumeClaim"]["claimName"] == "models"
 
 
+def test_state_dir_is_a_writable_volume(
+    each: Rendered, render: Callable[..., Rendered], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a pod whose feedback and shadow logs would land on the read-only root filesystem
+    (state_file's fallback is ~/.local/state): the env var the code reads must point at a mount."""
+    from router.policy.schema import state_file
+
+    path = each.env["TIERED_ROUTER_STATE_DIR"]["value"]
+    mount = each.mount("state")
+    assert mount["mountPath"] == path and not mount.get("readOnly", False)
+    assert "emptyDir" in each.volume("state")
+    assert each.container["securityContext"]["readOnlyRootFilesystem"] is True
+    # The service resolves its logs inside that mount (same env var name, independent of the chart).
+    monkeypatch.setenv("TIERED_ROUTER_STATE_DIR", path)
+    assert state_file("feedback.jsonl").startswith(path + "/")
+
+    r = render({"state": {"persistence": {"enabled": True, "size": "1Gi", "storageClass": "-"}}})
+    pvc = r.get("PersistentVolumeClaim", f"{FULLNAME}-state")
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert pvc["spec"]["storageClassName"] == ""
+    assert r.volume("state")["persistentVolumeClaim"]["claimName"] == f"{FULLNAME}-state"
+    r = render({"state": {"persistence": {"enabled": True, "existingClaim": "logs"}}})
+    assert "PersistentVolumeClaim" not in r.kinds
+    assert r.volume("state")["persistentVolumeClaim"]["claimName"] == "logs"
+
+
 # -- graceful drain ---------------------------------------------------------------------------------
 def _pre_stop_sleep(r: Rendered) -> int:
     cmd = r.container["lifecycle"]["preStop"]["exec"]["command"]
