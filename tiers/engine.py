@@ -23,18 +23,18 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from tiers.model_runner import ModelRunner, RowInput
 from tiers.output import IncrementalDetokenizer, StepOutput, TokenLogprob
 from tiers.pacing import Backlog, Pace, predict_wait
+from tiers.proposers import Proposal, make_proposer
 from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle, push_all
-from tiers.sampling import Draft as _Draft
-from tiers.sampling import choose_tokens, propose_tokens, target_logits, token_logprob
+from tiers.sampling import sample_rows
 from tiers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tiers.sequence import FinishReason, ModelOutput, SamplingParams, Sequence, SequenceStatus
 from tiers.speculative import NgramProposer, SpecController
 
 if TYPE_CHECKING:
@@ -89,22 +89,27 @@ class Engine:
             )
         self.draft = draft_runner if speculative_tokens > 0 else None
         self.spec = SpecController(max_k=speculative_tokens if self.draft is not None else 0)
+        self.eos_token_ids = self._eos_ids()
+        self._shared_generator = torch.Generator().manual_seed(0)
+        self.proposer = make_proposer(
+            self.draft,
+            self.spec,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            generator=self._shared_generator,
+            max_num_seqs=config.max_num_seqs,
+        )
         self.scheduler = Scheduler(
             config,
             runner.blocks,
-            self.draft.blocks if self.draft is not None else None,
+            self.proposer.blocks if self.proposer is not None else None,
             spec_budget=self._spec_budget,
         )
         self.observer = observer
-        self.eos_token_ids = self._eos_ids()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._tracked: dict[int, _Tracked] = {}
         self._worker: DeviceWorker | None = None
-        self._shared_generator = torch.Generator().manual_seed(0)
         self._k = 0
-        self._matcher_advance: dict[int, int] = {}
-        """Tokens each constrained row's matcher took during this step's drafting (rolled back
-        by what the target rejects, or all of it when the step fails)."""
         self._delivered: set[int] = set()
         """Rows of the current step whose tokens were already appended and emitted."""
         self._outbox: list[tuple[RequestHandle, StepOutput]] | None = None
@@ -114,8 +119,6 @@ class Engine:
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
         """Called before each step's forwards (tests inject faults and count steps here)."""
         self.num_steps = 0
-        self.num_deferred_draft_feeds = 0
-        """Prompts whose last chunk ran without the draft (its feed deferred to the first decode)."""
         self.pace = Pace(config.max_num_seqs, config.max_num_batched_tokens)
         """Measured step costs, for the predicted wait (``tiers/pacing.py``)."""
         self._inbox_lock = threading.Lock()
@@ -352,7 +355,7 @@ class Engine:
             # decodes as a full batch next step, and its draft feed is decided by this k.
             sched = self.scheduler
             batch_size = max(1, min(self.config.max_num_seqs, sched.num_running + sched.num_waiting))
-            self._k = self.spec.choose_k(batch_size) if self.draft is not None else 0
+            self._k = self.spec.choose_k(batch_size) if self.proposer is not None else 0
             batch = self.scheduler.schedule(defer_unprotected_prompts=defer_unprotected_prompts)
             if batch is None:
                 return False
@@ -377,6 +380,11 @@ class Engine:
             self.observer.on_step(self.name, batch.kind, batch.num_seqs, elapsed)
         return True
 
+    @property
+    def num_deferred_draft_feeds(self) -> int:
+        """Prompts whose last chunk ran without the draft (its feed deferred to the first decode)."""
+        return self.proposer.num_deferred_feeds if self.proposer is not None else 0
+
     def abort_all(self) -> None:
         """Finish every request (shutdown), so no consumer waits forever."""
         self._drain_inbox()
@@ -398,8 +406,7 @@ class Engine:
         """Run the batch; if it raises, find the culprit by running each sequence alone, so an
         error inside one request's generation fails that request only. Retrying is safe: a
         forward only writes KV at positions >= num_computed_tokens, which nothing has read yet."""
-        snapshot = [(s.num_computed_tokens, s.num_draft_computed_tokens, s.num_tokens) for s in batch.seqs]
-        self._matcher_advance = {}
+        snapshot = self.scheduler.snapshot(batch.seqs)
         try:
             self._run(batch)
             return
@@ -414,7 +421,6 @@ class Engine:
             if seq.is_finished or seq.seq_id in delivered:
                 continue
             alone = ScheduledBatch([seq], [n], [0], [0], kind=batch.kind)
-            self._matcher_advance = {}
             try:
                 self._run(alone)
             except Exception as exc:
@@ -425,248 +431,62 @@ class Engine:
     def _restore(self, batch: ScheduledBatch, snapshot: list[tuple[int, int, int]]) -> None:
         """Undo a failed step for the rows it had not yet delivered (delivered tokens stand: a
         retry must never emit them twice)."""
-        for seq, (nc, dc, n) in zip(batch.seqs, snapshot, strict=True):
+        for seq, snap in zip(batch.seqs, snapshot, strict=True):
             if seq.seq_id in self._delivered:
                 continue
-            seq.num_computed_tokens, seq.num_draft_computed_tokens = nc, dc
-            del seq.token_ids[n:]
-            if isinstance(self.draft, NgramProposer):
-                self.draft.forget(seq.seq_id)
-            advanced = self._matcher_advance.pop(seq.seq_id, 0)
-            if advanced and seq.params.constraint is not None:
-                seq.params.constraint.rollback(advanced)
+            self.scheduler.restore(seq, snap)
+            if self.proposer is not None:
+                self.proposer.forget(seq)
 
     def _run(self, batch: ScheduledBatch) -> None:
+        """Draft, one target forward over every row, sample, and let the scheduler apply it."""
         self._delivered = set()
         if self.step_hook is not None:
             self.step_hook(batch)
-        drafts: list[_Draft | None] = (
-            self._draft(batch) if self.draft is not None else [None] * batch.num_seqs
+        proposal = (
+            self.proposer.propose(batch, self._k)
+            if self.proposer is not None
+            else Proposal.empty(batch.num_seqs)
         )
         rows = []
-        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts, strict=True):
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, proposal.drafts, strict=True):
             start = seq.num_computed_tokens
             fed = seq.token_ids[start : start + n]
             if d is not None and d.tokens:
                 rows.append(RowInput(seq.block_table.blocks, start, fed + d.tokens, "all"))
             else:
-                rows.append(
-                    RowInput(
-                        seq.block_table.blocks, start, fed, "last" if start + n == seq.num_tokens else "none"
-                    )
-                )
+                last: Literal["last", "none"] = "last" if start + n == seq.num_tokens else "none"
+                rows.append(RowInput(seq.block_table.blocks, start, fed, last))
         started = time.perf_counter()
         logits = self.runner.forward(rows)
-        drafted = {len(d.tokens) if d else 0 for d in drafts}
+        drafted = {len(d.tokens) if d else 0 for d in proposal.drafts}
         # An n-gram lookup proposes for some rows only: such a step's cost is not that of every
         # row feeding 1 + max tokens, which its key would say, so only uniform steps are recorded.
-        if batch.kind == "decode" and (len(drafted) == 1 or not isinstance(self.draft, NgramProposer)):
+        ragged = self.proposer is not None and self.proposer.ragged
+        if batch.kind == "decode" and (len(drafted) == 1 or not ragged):
             self.spec.record_target(batch.num_seqs, 1 + max(drafted), time.perf_counter() - started)
-        self._sample_and_accept(batch, drafts, logits)
-
-    # -- drafting ------------------------------------------------------------------------------
-    def _draft(self, batch: ScheduledBatch) -> list[_Draft | None]:
-        """Feed the draft its chunks (catch-up and the rows' backlogs), then propose up to k
-        tokens for each speculating row, one draft forward per proposed position."""
-        assert self.draft is not None
-        if isinstance(self.draft, NgramProposer):
-            return self._draft_ngram(batch, self.draft)
-        out: list[_Draft | None] = [None] * batch.num_seqs
-        if self._k == 0 and not any(batch.num_spec_tokens):
-            # Speculation is off this step: feeding the draft (new prompts, above all) would be
-            # work for nothing while it stays off; the scheduler catches the draft up in chunks
-            # when it is back on. Measured: large at 16 streams spent ~2 s per wave of 16 new
-            # prompts in the int4 draft's prefill while never drafting (156 vs 209 tok/s).
-            return out
-        seqs = batch.seqs
-        # A prompt's last chunk gives the first token from the target alone: the draft's feed of
-        # it is deferred, so TTFT never pays for the draft's prefill. The scheduler then catches
-        # the draft up in the row's first decode step, and it speculates from the next one. The
-        # last chunk may be one token: the prefix cache serves prompts to the token.
-        wants = [i for i, n in enumerate(batch.num_draft_tokens) if n > 0]
-        feeding = [
-            i
-            for i in wants
-            if not (
-                batch.num_spec_tokens[i] == 0
-                and (batch.num_new_tokens[i] > 1 or seqs[i].num_output_tokens == 0)
-                and seqs[i].num_computed_tokens + batch.num_new_tokens[i] == seqs[i].num_tokens
-            )
-        ]
-        self.num_deferred_draft_feeds += len(wants) - len(feeding)
-        if not feeding:
-            return out
-        rows = []
-        for i in feeding:
-            seq, n = seqs[i], batch.num_draft_tokens[i]
-            dc = seq.num_draft_computed_tokens
-            rows.append(
-                RowInput(
-                    seq.draft_table.blocks,
-                    dc,
-                    seq.token_ids[dc : dc + n],
-                    "last" if batch.num_spec_tokens[i] else "none",
-                )
-            )
-        logits = self.draft.forward(rows)
-        for i, n in zip(feeding, (batch.num_draft_tokens[i] for i in feeding), strict=True):
-            seqs[i].num_draft_computed_tokens += n
-        active = {
-            i: lg
-            for i, lg in zip(feeding, logits, strict=True)
-            if batch.num_spec_tokens[i] and lg is not None
-        }
-        props = {i: _Draft() for i in active}
-        for i, d in props.items():
-            out[i] = d
-        while active:
-            idx = list(active)
-            proposed = self._propose(
-                [seqs[i] for i in idx], torch.cat([active[i] for i in idx]), [props[i] for i in idx]
-            )
-            nxt = []
-            for i, tok in zip(idx, proposed, strict=True):
-                if tok is None:  # the grammar allows nothing more (complete): stop drafting
-                    continue
-                if len(props[i].tokens) < batch.num_spec_tokens[i]:
-                    nxt.append(i)
-            # A row's draft KV already holds everything before its last proposal; feed that one.
-            if not nxt:
-                break
-            rows = []
-            for i in nxt:
-                seq = seqs[i]
-                rows.append(
-                    RowInput(
-                        seq.draft_table.blocks, seq.num_draft_computed_tokens, [props[i].tokens[-1]], "last"
-                    )
-                )
-            started = time.perf_counter()
-            logits = self.draft.forward(rows)
-            self.spec.record_draft(len(rows), 1, time.perf_counter() - started)
-            for i in nxt:
-                seqs[i].num_draft_computed_tokens += 1
-            active = dict(zip(nxt, logits, strict=True))  # type: ignore[arg-type]
-        return out
-
-    def _draft_ngram(self, batch: ScheduledBatch, ngram: NgramProposer) -> list[_Draft | None]:
-        """Proposals by n-gram lookup (``NgramProposer``) for the rows allowed to speculate;
-        constrained rows propose nothing (their grammar would have to vet each token). The lookup
-        has no KV to catch up, so every row's draft position follows its tokens."""
-        out: list[_Draft | None] = [None] * batch.num_seqs
-        started = time.perf_counter()
-        proposed = 0
-        for i, seq in enumerate(batch.seqs):
-            seq.num_draft_computed_tokens = seq.num_tokens
-            k = batch.num_spec_tokens[i]
-            if not k or seq.params.constraint is not None:
-                continue
-            tokens = ngram.propose(seq.seq_id, seq.token_ids, k)
-            if not tokens:
-                continue
-            d = out[i] = _Draft(tokens)
-            if not seq.params.is_greedy:  # the draft's law is one-hot at each proposed token
-                for t in tokens:
-                    law = torch.zeros(self.runner.vocab_size)
-                    law[t] = 1.0
-                    d.probs.append(law)
-            proposed += 1
-        if proposed:
-            self.spec.record_draft(batch.num_seqs, 1, (time.perf_counter() - started) / self._k)
-        return out
-
-    def _propose(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[_Draft]) -> list[int | None]:
-        """One draft token per row (None: the row stops drafting, its grammar being complete or
-        refusing the token), advancing each constrained row's matcher over what it proposes."""
-        tokens, laws, masks = propose_tokens(
-            seqs, logits, self.runner.vocab_size, self.eos_token_ids, self._shared_generator
+        generators = [self._generator(seq) for seq in batch.seqs]
+        outcome = sample_rows(
+            batch.seqs, logits, proposal.drafts, generators, self._shared_generator, self.eos_token_ids
         )
-        out: list[int | None] = []
-        for r, seq in enumerate(seqs):
-            tok, c, mask = tokens[r], seq.params.constraint, masks[r]
-            stop = False
-            if c is not None and mask is not None:
-                if not c.accept(tok):
-                    out.append(None)
-                    continue
-                self._matcher_advance[seq.seq_id] = self._matcher_advance.get(seq.seq_id, 0) + 1
-                drafts[r].masks.append(mask)
-                stop = c.is_terminated
-            drafts[r].tokens.append(tok)
-            if r in laws:
-                drafts[r].probs.append(laws[r])
-            out.append(None if stop else tok)
-        return out
-
-    # -- sampling and acceptance ---------------------------------------------------------------
-    def _sample_and_accept(
-        self, batch: ScheduledBatch, drafts: list[_Draft | None], logits: list[torch.Tensor | None]
-    ) -> None:
-        seqs = batch.seqs
-        # 1. Rows that choose a token this step, their logits processed (penalties, bias, grammar).
-        chunks: list[torch.Tensor] = []
-        owners: list[int] = []  # batch row of each chunk
-        for i, (seq, raw) in enumerate(zip(seqs, logits, strict=True)):
-            if raw is None:  # a prefill chunk short of the prompt's end
-                seq.num_computed_tokens += batch.num_new_tokens[i]
-                self.scheduler.cache_blocks(seq)
-                continue
-            chunks.append(target_logits(seq, raw, drafts[i], self.eos_token_ids))
-            owners.append(i)
-        if not chunks:
-            return
-        # 2-3. Acceptance and the next tokens, vectorised over the rows.
-        chosen = choose_tokens(
-            [seqs[i] for i in owners],
-            chunks,
-            [drafts[i] for i in owners],
-            [self._generator(seqs[i]) for i in owners],
-            self._shared_generator,
+        drafted_total, accepted_total = self.scheduler.update_from_output(
+            batch, ModelOutput(outcome, proposal.fed), self
         )
-        accepted, tokens, offsets, logprobs = chosen.accepted, chosen.tokens, chosen.offsets, chosen.logprobs
-        # 4. Apply: computed counts, matcher state, logprobs, postprocess.
-        drafted_total = accepted_total = 0
-        for r, i in enumerate(owners):
-            seq = seqs[i]
-            d = drafts[i]
-            num_drafted = len(d.tokens) if d is not None else 0
-            m = accepted[r]
-            new = (d.tokens[:m] if d is not None else []) + [tokens[r]]
-            base = seq.num_tokens
-            if num_drafted:
-                drafted_total += num_drafted
-                accepted_total += m
-                seq.num_draft_tokens += num_drafted
-                seq.num_accepted_tokens += m
-                # Target KV holds the fed last token and the m accepted drafts; the draft's holds
-                # what it was fed of them (never the last draft).
-                seq.num_computed_tokens = base + m
-                seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, base + m)
-            else:
-                seq.num_computed_tokens += batch.num_new_tokens[i]
-            matcher = seq.params.constraint
-            if matcher is not None:
-                advanced = self._matcher_advance.pop(seq.seq_id, 0)
-                if advanced > m:
-                    matcher.rollback(advanced - m)
-                if m and matcher.is_terminated:
-                    # The accepted drafts completed the grammar: nothing may follow them (as when a
-                    # plain step's token completes it), so the target's bonus token is dropped.
-                    new.pop()
-                elif not matcher.accept(new[-1]) and new[-1] not in self.eos_token_ids:
-                    self._fail(seq, "the grammar rejected a sampled token")
-                    continue
-            lps = None
-            if logprobs is not None and seq.params.logprobs is not None:
-                lps = [
-                    token_logprob(logprobs[offsets[r] + j], tok, seq.params.logprobs)
-                    for j, tok in enumerate(new)
-                ]
-            self._postprocess(seq, new, lps)
         if drafted_total:
             self.spec.record_acceptance(drafted_total, accepted_total)
             if self.observer is not None:
                 self.observer.on_spec(self.name, drafted_total, accepted_total)
+
+    # -- the scheduler's sink (``StepSink``) ------------------------------------------------------
+    def on_accept(self, seq: Sequence, num_accepted: int) -> None:
+        if self.proposer is not None:
+            self.proposer.on_accept(seq, num_accepted)
+
+    def deliver(self, seq: Sequence, tokens: list[int], logprobs: list[Any] | None) -> None:
+        self._postprocess(seq, tokens, logprobs)
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        self._fail(seq, message)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         tracked = self._tracked.get(seq.seq_id)
@@ -676,8 +496,8 @@ class Engine:
     def _postprocess(
         self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None
     ) -> None:
-        """Append tokens one by one, stopping at EOS, stop ids/strings, a complete grammar,
-        max_tokens or the context; then name the blocks they filled and finish what is done."""
+        """Hand the new tokens to the scheduler (it appends them and checks the stops), then emit
+        them and finish what is done."""
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None or seq.is_finished:
             return
@@ -690,30 +510,10 @@ class Engine:
                 # Calibrate the estimate on what this request actually waited (tiers/pacing.py).
                 raw, unprotected = tracked.predicted_wait
                 self.pace.observe(raw, seq.first_token_time - seq.arrival_time, unprotected)
-        params = seq.params
-        finish: tuple[SequenceStatus, str] | None = None
-        for j, tok in enumerate(new_tokens):
-            seq.token_ids.append(tok)
-            tracked.pending_tokens.append(tok)
-            if logprobs is not None:
-                tracked.pending_logprobs.append(logprobs[j])
-            if (not params.ignore_eos and tok in self.eos_token_ids) or tok in params.stop_token_ids:
-                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
-                break
-            tracked.detok.add(tok)
-            if tracked.detok.stopped:
-                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
-                break
-            if params.constraint is not None and params.constraint.is_terminated and j == len(new_tokens) - 1:
-                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
-                break
-            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-                finish = (SequenceStatus.FINISHED_LENGTH, FinishReason.LENGTH)
-                break
-        # KV past the kept tokens is stale; never count it as computed.
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)
-        self.scheduler.cache_blocks(seq)
+        kept, finish = self.scheduler.append_tokens(seq, new_tokens, tracked.detok.add_and_check)
+        tracked.pending_tokens.extend(new_tokens[:kept])
+        if logprobs is not None:
+            tracked.pending_logprobs.extend(logprobs[:kept])
         if finish is not None:
             self._finish(tracked, *finish)
         else:
@@ -750,8 +550,8 @@ class Engine:
     ) -> None:
         seq = tracked.seq
         self.scheduler.finish(seq, status, reason)
-        if isinstance(self.draft, NgramProposer):
-            self.draft.forget(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
         seq.error = error
         self._tracked.pop(seq.seq_id, None)
         if seq.first_scheduled_time is not None or seq.num_output_tokens:
@@ -771,90 +571,35 @@ class Engine:
         speculative cost model at batch sizes 1, 2, 4... and ``max_num_seqs``. Runs before the
         loop starts; its blocks are returned unnamed."""
         prompt = self.tokenizer.encode("Hello, how are you today?") or [0]
-        _forward_scratch(self.runner, [prompt])
+        self.runner.forward_scratch([prompt])
         # A full-budget chunk too: the first forward of a new large shape pays one-off kernel
         # setup (seconds for oneDNN on the CPU), which the first long prompt must not.
         chunk = min(self.config.max_num_batched_tokens, self.config.max_model_len - 1)
         long_prompt = (prompt * (chunk // len(prompt) + 1))[:chunk]
-        _forward_scratch(self.runner, [long_prompt])
+        self.runner.forward_scratch([long_prompt])
         # Then the costs the predicted wait starts from (tiers/pacing.py): a token of a prompt
         # chunk, and a decode step of a full batch.
         started = time.perf_counter()
-        _forward_scratch(self.runner, [long_prompt])
+        self.runner.forward_scratch([long_prompt])
         token_cost = (time.perf_counter() - started) / chunk
         started = time.perf_counter()
-        _forward_scratch(self.runner, [prompt[:1]] * self.config.max_num_seqs, start=32)
+        self.runner.forward_scratch([prompt[:1]] * self.config.max_num_seqs, start=32)
         self.pace.seed(token_cost=token_cost, decode_cost=time.perf_counter() - started)
-        ctx, k = 32, self.spec.max_k
+        ctx = 32
         sizes = sorted(
             {min(1 << i, self.config.max_num_seqs) for i in range(12)} | {self.config.max_num_seqs}
         )
-        if self.draft is None or k == 0:
+        if self.proposer is None or self.spec.max_k == 0:
             # The plain step at each batch size: what load-aware routing prices a row by.
             for b in sizes:
                 for _ in range(2):
                     started = time.perf_counter()
-                    _forward_scratch(self.runner, [prompt[:1]] * b, start=ctx)
+                    self.runner.forward_scratch([prompt[:1]] * b, start=ctx)
                     self.spec.record_target(b, 1, time.perf_counter() - started)
             return
-        if isinstance(self.draft, NgramProposer):
-            self._profile_ngram(prompt, sizes, ctx)
-            return
-        drafter = self.draft
-        _forward_scratch(drafter, [prompt])
-        for b in sizes:
-            for _ in range(2):
-                for tokens, runner, record in (
-                    (1, self.runner, self.spec.record_target),
-                    (k + 1, self.runner, self.spec.record_target),
-                    (1, drafter, self.spec.record_draft),
-                ):
-                    started = time.perf_counter()
-                    _forward_scratch(runner, [[prompt[0]] * tokens] * b, start=ctx)
-                    record(b, tokens, time.perf_counter() - started)
-        # A full batch's decode step drafts as the controller would: k draft forwards and the
-        # target over k + 1 tokens, not the plain forward the seed above timed.
-        b = self.config.max_num_seqs
-        k = self.spec.choose_k(b)
-        target, draft = self.spec.target_cost.get((b, k + 1)), self.spec.draft_cost.get((b, 1))
-        if target is not None and draft is not None:
-            self.pace.seed(decode_cost=target + draft * k)
-
-    def _profile_ngram(self, prompt: list[int], sizes: list[int], ctx: int) -> None:
-        """The n-gram drafter's cost profile: the target over every 1..k+1 tokens at each batch
-        size (it is not linear in tokens: small at batch 1 measured 14 ms for 4 tokens and 19-22 ms
-        for 5), and the lookup itself per proposed token."""
-        assert isinstance(self.draft, NgramProposer)
-        k = self.spec.max_k
-        for b in sizes:
-            for _ in range(2):
-                for tokens in range(1, k + 2):
-                    started = time.perf_counter()
-                    _forward_scratch(self.runner, [[prompt[0]] * tokens] * b, start=ctx)
-                    self.spec.record_target(b, tokens, time.perf_counter() - started)
-        history = (prompt * (ctx // len(prompt) + 1))[:ctx]
-        for b in sizes:
-            started = time.perf_counter()
-            for r in range(b):
-                self.draft.propose(-1 - r, history, k)
-            self.spec.record_draft(b, 1, (time.perf_counter() - started) / k)
-            for r in range(b):
-                self.draft.forget(-1 - r)
-
-
-def _forward_scratch(runner: ModelRunner, token_rows: list[list[int]], start: int = 0) -> None:
-    """A forward on temporary blocks (warm-up and profiling), freed before returning. Every row
-    uses the same blocks: their KV is garbage nobody reads, and the pool's memory stays untouched
-    (blocks are zeroed, so resident, on first use)."""
-    from tiers.block_manager import BlockTable
-
-    table = BlockTable()
-    if not runner.blocks.allocate(table, start + max(len(t) for t in token_rows)):
-        return
-    try:
-        runner.forward([RowInput(table.blocks, start, toks) for toks in token_rows])
-    finally:
-        runner.blocks.free(table)
+        decode_cost = self.proposer.profile(self.runner, prompt, sizes, ctx)
+        if decode_cost is not None:
+            self.pace.seed(decode_cost=decode_cost)
 
 
 def _timings(seq: Sequence) -> dict[str, float]:

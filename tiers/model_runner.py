@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from tiers.block_manager import BlockManager
+from tiers.block_manager import BlockManager, BlockTable
 from tiers.fast_forward import FastDecoder, supports_fast_path
 from tiers.flex_paged import PagedBlockMask
 
@@ -195,6 +195,18 @@ class ModelRunner:
         return torch.tensor(flat, dtype=torch.long)
 
     # -- forward --------------------------------------------------------------------------------
+    def forward_scratch(self, token_rows: list[list[int]], start: int = 0) -> None:
+        """A forward on temporary blocks (warm-up and profiling), freed before returning. Every
+        row uses the same blocks: their KV is garbage nobody reads, and the pool's memory stays
+        untouched (blocks are zeroed, so resident, on first use)."""
+        table = BlockTable()
+        if not self.blocks.allocate(table, start + max(len(t) for t in token_rows)):
+            return
+        try:
+            self.forward([RowInput(table.blocks, start, toks) for toks in token_rows])
+        finally:
+            self.blocks.free(table)
+
     @torch.inference_mode()
     def forward(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
         """Returns float32 logits per row: ``[1, V]`` for ``last``, ``[n, V]`` for ``all`` (one

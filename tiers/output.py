@@ -87,6 +87,11 @@ class IncrementalDetokenizer:
                 self.text = self.text[: end if self.include_stop else start]
                 self.stopped = True
 
+    def add_and_check(self, token_id: int) -> bool:
+        """``add``, then whether a stop string has completed (``Scheduler.append_tokens``)."""
+        self.add(token_id)
+        return self.stopped
+
     def take(self, final: bool = False) -> str:
         """Text not yet returned that can no longer change (everything, when ``final``)."""
         end = len(self.text)

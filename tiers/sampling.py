@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiers.output import TokenLogprob
-from tiers.sequence import SamplingParams
+from tiers.sequence import RowOutput, SamplingParams
 from tiers.speculative import accept_batch
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ __all__ = [
     "mask_row",
     "probs_batch",
     "propose_tokens",
+    "sample_rows",
     "target_logits",
     "token_logprob",
 ]
@@ -300,6 +301,43 @@ def choose_tokens(
         for j, r in enumerate(sampled):
             tokens[r] = int(drawn[j])
     return StepTokens(accepted, tokens, offsets, logprobs)
+
+
+def sample_rows(
+    seqs: Seq[Sequence],
+    logits: Seq[torch.Tensor | None],
+    drafts: Seq[Draft | None],
+    generators: Seq[torch.Generator | None],
+    shared: torch.Generator,
+    eos_ids: frozenset[int],
+) -> list[RowOutput | None]:
+    """Every row's outcome from the target's logits (``None`` where a prompt chunk short of the
+    prompt's end chose nothing): logits processed (penalties, bias, grammar), drafts accepted or
+    rejected and the next token chosen, vectorised over the rows. Reads sequences, writes none of
+    them (``Scheduler.update_from_output`` applies the outcome)."""
+    owners = [i for i, raw in enumerate(logits) if raw is not None]
+    out: list[RowOutput | None] = [None] * len(seqs)
+    if not owners:
+        return out
+    chunks = [target_logits(seqs[i], logits[i], drafts[i], eos_ids) for i in owners]  # type: ignore[arg-type]
+    chosen = choose_tokens(
+        [seqs[i] for i in owners],
+        chunks,
+        [drafts[i] for i in owners],
+        [generators[i] for i in owners],
+        shared,
+    )
+    for r, i in enumerate(owners):
+        d, m = drafts[i], chosen.accepted[r]
+        tokens = (d.tokens[:m] if d is not None else []) + [chosen.tokens[r]]
+        top = seqs[i].params.logprobs
+        lps = None
+        if chosen.logprobs is not None and top is not None:
+            lps = [
+                token_logprob(chosen.logprobs[chosen.offsets[r] + j], t, top) for j, t in enumerate(tokens)
+            ]
+        out[i] = RowOutput(tokens, len(d.tokens) if d is not None else 0, m, lps)
+    return out
 
 
 def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:

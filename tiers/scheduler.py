@@ -30,16 +30,30 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tiers.block_manager import BlockManager
 from tiers.pacing import Backlog
-from tiers.sequence import Sequence, SequenceStatus
+from tiers.sequence import FinishReason, ModelOutput, Sequence, SequenceStatus
 
-__all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig"]
+__all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "StepSink"]
 
 MAX_DRAFT_CATCHUP = 8
 """A sequence speculates this step only if its draft is at most this many tokens behind; a longer
 backlog (after plain steps) is caught up in chunks first."""
+
+
+class StepSink(Protocol):
+    """Where ``Scheduler.update_from_output`` hands each row's outcome (the engine)."""
+
+    def on_accept(self, seq: Sequence, num_accepted: int) -> None:
+        """The target settled ``seq``'s proposal at ``num_accepted`` drafts."""
+
+    def deliver(self, seq: Sequence, tokens: list[int], logprobs: list[Any] | None) -> None:
+        """New tokens for ``seq`` (appended by ``Scheduler.append_tokens``), then emitted."""
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """``seq`` cannot go on (finish it with an error)."""
 
 
 @dataclass(slots=True)
@@ -519,7 +533,90 @@ class Scheduler:
         if self.draft_blocks is not None:
             self.draft_blocks.free(seq.draft_table)
 
-    # -- after the step -------------------------------------------------------------------------
+    # -- after the step: the one writer of sequence state ------------------------------------------
+    def update_from_output(
+        self, batch: ScheduledBatch, output: ModelOutput, sink: StepSink
+    ) -> tuple[int, int]:
+        """Apply one step's results: the draft's and the target's computed counts, the acceptance
+        of each row's drafts, its grammar, then its new tokens (``sink.deliver``, which hands them
+        back to ``append_tokens`` for the stop checks). Returns ``(drafted, accepted)`` tokens
+        over the rows that drafted."""
+        drafted_total = accepted_total = 0
+        for seq, fed in zip(batch.seqs, output.draft_fed, strict=True):
+            seq.num_draft_computed_tokens += fed
+        for i, (seq, row) in enumerate(zip(batch.seqs, output.rows, strict=True)):
+            if row is None:  # a prefill chunk short of the prompt's end
+                seq.num_computed_tokens += batch.num_new_tokens[i]
+                self.cache_blocks(seq)
+                continue
+            m, new = row.num_accepted, list(row.tokens)
+            if row.num_drafted:
+                drafted_total += row.num_drafted
+                accepted_total += m
+                seq.num_draft_tokens += row.num_drafted
+                seq.num_accepted_tokens += m
+                # Target KV holds the fed last token and the m accepted drafts; the draft's holds
+                # what it was fed of them (never the last draft).
+                base = seq.num_tokens
+                seq.num_computed_tokens = base + m
+                seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, base + m)
+            else:
+                seq.num_computed_tokens += batch.num_new_tokens[i]
+            matcher = seq.params.constraint
+            if matcher is not None:
+                sink.on_accept(seq, m)  # the drafter rolls back the grammar past what was accepted
+                if m and matcher.is_terminated:
+                    # The accepted drafts completed the grammar: nothing may follow them (as when a
+                    # plain step's token completes it), so the target's bonus token is dropped.
+                    new.pop()
+                elif not matcher.accept(new[-1]) and new[-1] not in seq.eos_token_ids:
+                    sink.fail(seq, "the grammar rejected a sampled token")
+                    continue
+            sink.deliver(seq, new, row.logprobs)
+        return drafted_total, accepted_total
+
+    def append_tokens(
+        self, seq: Sequence, tokens: list[int], text_stop: Callable[[int], bool] | None = None
+    ) -> tuple[int, tuple[SequenceStatus, str] | None]:
+        """Append ``tokens`` one by one, stopping at EOS, a stop id, a stop string
+        (``text_stop(token)``: the detokenizer's verdict), a complete grammar, ``max_tokens`` or
+        the context; then name the blocks they filled. Returns how many were kept and the finish
+        (``(status, reason)``) when the sequence is done; the caller finishes it (``finish``)."""
+        params = seq.params
+        finish: tuple[SequenceStatus, str] | None = None
+        kept = 0
+        for j, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            kept += 1
+            if (not params.ignore_eos and tok in seq.eos_token_ids) or tok in params.stop_token_ids:
+                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
+                break
+            if text_stop is not None and text_stop(tok):
+                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
+                break
+            if params.constraint is not None and params.constraint.is_terminated and j == len(tokens) - 1:
+                finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
+                break
+            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                finish = (SequenceStatus.FINISHED_LENGTH, FinishReason.LENGTH)
+                break
+        # KV past the kept tokens is stale; never count it as computed.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)
+        self.cache_blocks(seq)
+        return kept, finish
+
+    @staticmethod
+    def snapshot(seqs: list[Sequence]) -> list[tuple[int, int, int]]:
+        """What ``restore`` puts back: computed counts and token count per sequence."""
+        return [(s.num_computed_tokens, s.num_draft_computed_tokens, s.num_tokens) for s in seqs]
+
+    @staticmethod
+    def restore(seq: Sequence, snapshot: tuple[int, int, int]) -> None:
+        """Undo a failed step's effects on ``seq`` (its KV past the snapshot is never read)."""
+        seq.num_computed_tokens, seq.num_draft_computed_tokens, n = snapshot
+        del seq.token_ids[n:]
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Name the blocks this step filled (target and draft), so later requests hit them."""
         self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
