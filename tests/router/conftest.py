@@ -87,9 +87,13 @@ def start_server(policy_path: Path, ready_timeout_s: float = 120, **app_kwargs: 
 
 
 @contextmanager
-def keyed_tiny_server(model_dir: Path, policy_dir: Path, keys_env: str, keys: str) -> Iterator[Server]:
+def keyed_tiny_server(
+    model_dir: Path, policy_dir: Path, keys_env: str, keys: str, *, drafts: bool = True
+) -> Iterator[Server]:
     """The tiny tiers in keys mode (``keys`` as ``key:tenant`` entries in ``$keys_env``) with room
-    for long tool prompts; no response cache, so every answer is generated."""
+    for long tool prompts; no response cache, so every answer is generated. ``drafts=False``
+    turns speculative drafting off (whether a tier speculates, and so how its tokens are grouped
+    into stream chunks, follows step times measured as it runs)."""
     import os
 
     from tests.fixtures import tiny_policy_yaml
@@ -97,7 +101,10 @@ def keyed_tiny_server(model_dir: Path, policy_dir: Path, keys_env: str, keys: st
     os.environ[keys_env] = keys
     path = policy_dir / "policy.yaml"
     text = tiny_policy_yaml(model_dir, cache_enabled=False, auth=f"{{mode: keys, api_keys_env: {keys_env}}}")
-    path.write_text(text.replace("max_model_len: 256", "max_model_len: 1024"))  # tool prompts are long
+    text = text.replace("max_model_len: 256", "max_model_len: 1024")  # tool prompts are long
+    if not drafts:
+        text = text.replace("draft: small", "draft: null").replace("draft: medium", "draft: null")
+    path.write_text(text)
     srv, stop = start_server(path, watch_policy=False)
     try:
         yield srv
