@@ -11,9 +11,9 @@ Outcome data (read from ../shared/data/routing, never copied here):
   and vs dolphin-2.6-mistral-7b (a pair training never reads). The two pairs whose gain is
   positive in every family; MetaMath's gain on code is nil, so its APGR there is undefined.
 
-Routers: ``value`` (the shipped score), ``previous`` (the previous configuration - log counts of
-domain cues, no 7-8B rows - refitted here on the same data), prompt length (characters) and
-random (mean of 50). Every APGR has a 95 % percentile bootstrap interval.
+Routers: ``value`` (the shipped score), ``previous`` (the previous configuration, 3.0: the same
+features with the length in word tokens instead of characters, refitted here on the same data),
+prompt length (characters) and random (mean of 50). Every APGR has a 95 % percentile bootstrap interval.
 
 **Leave-one-family-out** (the honest figure for a family the score never saw): each family of
 each set is scored by the recipe refitted without any row of that family (MMLU categories,
@@ -37,13 +37,13 @@ from benchmarks.common import plot_path, write_json
 from classifier import ComplexityClassifier
 from classifier.evaluate import lofo_fitter
 from classifier.outcome_train import (
-    COUNTS_CONFIG,
     DIFFICULTY_7B,
     DIFFICULTY_PAIR,
     DROPPED_SUBJECTS,
     MMLU_OUTCOMES,
     OUTCOME_CONFIG,
     PROXY_PATH,
+    TOKENS_CONFIG,
     OutcomeConfig,
     fit_outcomes,
     outcome_proba,
@@ -61,7 +61,7 @@ from classifier.validation import LENGTH, RANDOM, family_table, lofo_values, wor
 
 FOLDS = 5
 SECOND_PAIR = (DIFFICULTY_PAIR[0], "cognitivecomputations/dolphin-2.6-mistral-7b")
-CANDIDATES: dict[str, OutcomeConfig] = {"shipped": OUTCOME_CONFIG, "previous": COUNTS_CONFIG}
+CANDIDATES: dict[str, OutcomeConfig] = {"shipped": OUTCOME_CONFIG, "previous": TOKENS_CONFIG}
 
 
 def _short(model: str) -> str:
@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sets = eval_sets()
     clf = ComplexityClassifier.load()
-    previous = _fitted(COUNTS_CONFIG)
+    previous = _fitted(TOKENS_CONFIG)
     shipped: dict[str, Any] = {}
     for name, rows in sets.items():
         prompts = [r["prompt"] for r in rows]

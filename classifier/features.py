@@ -122,8 +122,10 @@ class FamilyCounts(TokenCounts):
         domains: tuple[str, ...] = (),
         override: tuple[str, Rule] | None = None,
         flags: Rule = (),
+        length_unit: str = "tokens",
     ) -> None:
         super().__init__(groups, gate, gated, gate_at)
+        self.length_unit = length_unit
         self.domains = domains
         self.override = override
         self.flags = flags
@@ -148,12 +150,15 @@ class FamilyCounts(TokenCounts):
     def fit(self, x: Any, y: Any = None) -> FamilyCounts:
         self._columns()
         self.n_groups_ = len(self._groups())
+        if self.length_unit not in ("tokens", "chars"):
+            raise ValueError(f"length_unit must be tokens or chars, not {self.length_unit!r}")
         self.n_features_out_ = 1 + len(self.domains) + len(self.flags)
         return self
 
     def transform(self, x: Any) -> np.ndarray:
         domains, family, rule, flags = self._columns()
-        rows = [count_features(t, self._groups()) for t in _as_list(x)]
+        texts = _as_list(x)
+        rows = [count_features(t, self._groups()) for t in texts]
         counts = np.asarray(rows, dtype=np.float64).reshape(-1, self.n_groups_)
         gating = self._mask()
         if gating is not None:
@@ -167,7 +172,11 @@ class FamilyCounts(TokenCounts):
             fires = np.all([counts[:, g] >= at for g, at in rule], axis=0)
             onehot[fires] = np.eye(len(domains))[family]
         flag_cols = [(counts[:, [g]] >= at).astype(np.float64) for g, at in flags]
-        return np.hstack([np.log1p(counts[:, [0]]), onehot, *flag_cols]).astype(np.float32)
+        if self.length_unit == "chars":
+            length = np.log1p(np.asarray([[len(t)] for t in texts], dtype=np.float64))
+        else:
+            length = np.log1p(counts[:, [0]])
+        return np.hstack([length, onehot, *flag_cols]).astype(np.float32)
 
     def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
         names = [
@@ -204,7 +213,8 @@ def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
         ks = const("at_least", TensorProto.FLOAT, [1, len(cols)], [at - 0.5 for _, at in cols])
         return node("Greater", [gather([g for g, _ in cols]), ks])
 
-    length = node("Log", [node("Add", [gather([0]), const("one", TensorProto.FLOAT, [], [1.0])])])
+    size = gather([0]) if raw.length_unit == "tokens" else _emit_char_count(scope, operator, container)
+    length = node("Log", [node("Add", [size, const("one", TensorProto.FLOAT, [], [1.0])])])
     hits = gather(domains)
     best = node("ArgMax", [hits], axis=1, keepdims=1)  # first index on ties, as numpy
     positions = const("positions", TensorProto.INT64, [1, len(domains)], list(range(len(domains))))
@@ -229,6 +239,44 @@ def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
     if flags:
         parts.append(node("Cast", [at_least(flags)], to=TensorProto.FLOAT))
     container.add_node("Concat", parts, operator.outputs[0].full_name, name=name("Concat"), axis=1)
+
+
+def _emit_char_count(scope: Any, operator: Any, container: Any) -> str:
+    """[N, 1] characters of the text input: a Tokenizer whose every character is a token, counted
+    like the word total (the model text has no newlines: :func:`classifier.text.model_text`)."""
+    from onnx import TensorProto
+
+    name = scope.get_unique_variable_name
+    raw_chars, chars, is_pad, is_char, as_float, total = (
+        name("raw_chars"),
+        name("chars"),
+        name("char_pad"),
+        name("is_char"),
+        name("char_f"),
+        name("char_total"),
+    )
+    container.add_node(
+        "Tokenizer",
+        operator.inputs[0].full_name,
+        raw_chars,
+        op_domain="com.microsoft",
+        op_version=1,
+        name=name("CharTokenizer"),
+        pad_value=PAD,
+        mark=0,
+        mincharnum=1,
+        tokenexp=".",
+    )
+    container.add_node("Flatten", raw_chars, chars, name=name("Flatten"))
+    pad = name("pad")
+    container.add_initializer(pad, TensorProto.STRING, [], [PAD.encode()])
+    container.add_node("Equal", [chars, pad], is_pad, name=name("Equal"))
+    container.add_node("Not", is_pad, is_char, name=name("Not"))
+    container.add_node("Cast", is_char, as_float, name=name("Cast"), to=TensorProto.FLOAT)
+    axis = name("axis1")
+    container.add_initializer(axis, TensorProto.INT64, [1], [1])
+    container.add_node("ReduceSum", [as_float, axis], total, name=name("ReduceSum"), keepdims=1)
+    return total
 
 
 def _shape_token_counts(operator: Any) -> None:

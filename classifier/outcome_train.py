@@ -61,6 +61,7 @@ __all__ = [
     "OUTCOME_CONFIG",
     "OUTCOME_VERSION",
     "PROXY_PATH",
+    "TOKENS_CONFIG",
     "OutcomeConfig",
     "export_outcome_onnx",
     "fit_outcomes",
@@ -69,7 +70,7 @@ __all__ = [
     "train_outcomes",
 ]
 
-OUTCOME_VERSION = "3.0.0"
+OUTCOME_VERSION = "3.1.0"
 # Where the outcome data lives in this workspace (read at training time, never copied here).
 SHARED_ROUTING = Path(__file__).resolve().parents[2] / "shared/data/routing"
 MMLU_OUTCOMES = SHARED_ROUTING / "mmlu_outcomes.jsonl.gz"
@@ -128,10 +129,17 @@ class OutcomeConfig:
     """Sample weight of each pass-rate row."""
     flags: tuple[tuple[str, int], ...] = FAMILY_FLAGS
     """FamilyCounts' 0/1 columns ``(group, at least)``."""
+    length_unit: str = "chars"
+    """FamilyCounts' length column: characters of the model text (the ``prompt length`` baseline's
+    unit) or word tokens (the previous artifact). Characters route MMLU's held-out STEM subjects
+    and Python at or above length, where token counts fell below it (benchmarks/routing_quality)."""
+    """FamilyCounts adds ``family one-hot x log length`` columns: each family's own length slope."""
 
 
 OUTCOME_CONFIG = OutcomeConfig()
-# The previous shipped configuration (log counts, no 7-8B rows), kept for side-by-side runs.
+# Earlier shipped configurations, kept for side-by-side runs: 3.0 (length in word tokens) and
+# 2.x (log counts of domain cues, no 7-8B rows).
+TOKENS_CONFIG = OutcomeConfig(name="lr-family-tokens", length_unit="tokens")
 COUNTS_CONFIG = OutcomeConfig(name="lr-outcome-groups", features="counts")
 
 
@@ -148,7 +156,12 @@ def _features(config: OutcomeConfig) -> Any:
     )
     if config.features == "family":
         counts: Any = FamilyCounts(
-            OUTCOME_GROUPS, domains=DOMAIN_GROUPS, override=CODE_OVERRIDE, flags=config.flags, **gating
+            OUTCOME_GROUPS,
+            domains=DOMAIN_GROUPS,
+            override=CODE_OVERRIDE,
+            flags=config.flags,
+            length_unit=config.length_unit,
+            **gating,
         )
     elif config.features == "counts":
         counts = TokenCounts(OUTCOME_GROUPS, **gating)

@@ -93,7 +93,36 @@ def test_graph_matches_scikit_learn(synthetic: Path) -> None:
     # is FamilyCounts' dominant domain.
     assert [o.name for o in model.graph.output] == ["probabilities"]
     assert ops.count("ArgMax") == 1
-    assert ops.count("Tokenizer") == 1
+    # Words (the counts) and characters (the length column): one Tokenizer each.
+    tokenizers = [n for n in model.graph.node if n.op_type == "Tokenizer"]
+    patterns = [a.s.decode() for n in tokenizers for a in n.attribute if a.name == "tokenexp"]
+    assert len(patterns) == 2 and "." in patterns
+
+
+def test_length_column_counts_characters_not_tokens() -> None:
+    """Catches a length column in word tokens (3.0) or in UTF-8 bytes: the shipped score's length
+    is the prompt-length baseline's unit, characters of the model text, in the graph as well."""
+    import onnxruntime
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    from classifier.features import FamilyCounts, register_converters
+    from classifier.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, OUTCOME_CONFIG
+    from classifier.text import OUTCOME_GROUPS, model_text
+    from classifier.train import TARGET_OPSET
+
+    assert OUTCOME_CONFIG.length_unit == "chars"
+    register_converters()
+    texts = ["東京は大きい?", "one two three four five", "x" * 40]
+    counts = FamilyCounts(OUTCOME_GROUPS, domains=DOMAIN_GROUPS, override=CODE_OVERRIDE, length_unit="chars")
+    counts.fit([])
+    expected = np.log1p([len(model_text(t)) for t in texts])  # 7, 23, 40 characters
+    np.testing.assert_allclose(counts.transform([model_text(t) for t in texts])[:, 0], expected, rtol=1e-6)
+    text = [("text", StringTensorType([None, 1]))]
+    graph = convert_sklearn(counts, initial_types=text, target_opset=TARGET_OPSET)
+    session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = session.run(None, {"text": np.array([[model_text(t)] for t in texts], dtype=object)})[0]
+    np.testing.assert_allclose(out[:, 0], expected, rtol=1e-6)
 
 
 def test_domain_cues_are_gated_off_on_multiple_choice_questions() -> None:
