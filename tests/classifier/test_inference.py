@@ -264,11 +264,36 @@ def test_cuda_failure_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None
             raise RuntimeError("libcublasLt.so: cannot open shared object file")
         return real(path, sess_options=sess_options, providers=providers)
 
-    monkeypatch.setattr(
-        inference, "_default_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    )
     monkeypatch.setattr(inference.ort, "InferenceSession", fussy)
-    clf = ComplexityClassifier.load()
+    clf = ComplexityClassifier.load(device="cuda")
     assert clf.providers == ["CPUExecutionProvider"]
     with pytest.raises(RuntimeError, match="libcublas"):
         ComplexityClassifier.load(providers=["CUDAExecutionProvider"])
+
+
+def test_classifier_stays_on_the_cpu_provider_on_a_gpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches the classifier opening onnxruntime's CUDA provider by default on a GPU node (a second
+    CUDA context and arena beside the tiers' for a 0.1 ms graph): only ``auto``/``cuda`` ask for it."""
+    from classifier import inference
+
+    monkeypatch.setattr(
+        inference.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    monkeypatch.setattr(inference, "_gpu_visible", lambda: True)
+    asked: list[list[str]] = []
+    real = ort.InferenceSession
+
+    def recording(path: str, sess_options: object = None, providers: list[str] | None = None) -> object:
+        asked.append(list(providers or []))
+        return real(path, sess_options=sess_options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(inference.ort, "InferenceSession", recording)
+    ComplexityClassifier.load()
+    ComplexityClassifier.load(device="auto")
+    monkeypatch.setattr(inference, "_gpu_visible", lambda: False)
+    ComplexityClassifier.load(device="auto")
+    ComplexityClassifier.load(device="cuda")
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert asked == [["CPUExecutionProvider"], cuda, ["CPUExecutionProvider"], cuda]
+    with pytest.raises(ValueError, match="classifier device must be one of cpu, auto, cuda"):
+        ComplexityClassifier.load(device="gpu")
