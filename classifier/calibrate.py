@@ -4,6 +4,7 @@ As RouteLLM's calibration does for its routers: score a sample of real prompts, 
 threshold at the quantile of ``ComplexityScore.value`` that sends the wanted share below it.
 With shares small=0.5, medium=0.3, large=0.2 the small threshold is the 50th percentile of the
 values and the medium one the 80th. A rule ``score_below: t`` fires when ``value < t``.
+Writing them into a policy file is the policy's business (``router.policy.thresholds``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from classifier.data import LABELS, load_jsonl
 
-__all__ = ["calibrate", "parse_shares", "propose_thresholds", "routing_yaml", "write_policy"]
+__all__ = ["DECIMALS", "calibrate", "parse_shares", "propose_thresholds", "routing_yaml"]
 
 DECIMALS = 4
 BATCH = 256
@@ -140,53 +141,3 @@ def calibrate(
             mix[tier][row["label"]] += 1
         result["label_mix"] = mix
     return result
-
-
-def write_policy(policy_path: str | Path, thresholds: Mapping[str, float]) -> dict[str, float]:
-    """Put the thresholds into a policy file's score rules, in place; returns ``{rule: new value}``.
-
-    A *score rule* is a ``routing.rules`` entry routing to ``small`` or ``medium`` whose ``when``
-    holds only ``score_below``. Only those numbers change: the edit replaces the scalar's exact
-    characters (located with the YAML parser), so comments, order and layout stay as they were.
-    The result is validated with the policy loader before the file is replaced.
-    """
-    import yaml
-
-    from router.policy.loader import load_policy
-
-    path = Path(policy_path)
-    text = path.read_text(encoding="utf-8")
-    root = yaml.compose(text)
-    edits: list[tuple[int, int, str, str]] = []
-
-    def get(node: Any, key: str) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == key:
-                    return v
-        return None
-
-    rules = get(get(root, "routing"), "rules")
-    for rule in rules.value if isinstance(rules, yaml.SequenceNode) else []:
-        tier, when, name = get(rule, "tier"), get(rule, "when"), get(rule, "name")
-        if tier is None or tier.value not in thresholds or not isinstance(when, yaml.MappingNode):
-            continue
-        if [k.value for k, _ in when.value] != ["score_below"]:
-            continue
-        scalar = get(when, "score_below")
-        new = repr(round(float(thresholds[tier.value]), DECIMALS))
-        edits.append(
-            (scalar.start_mark.index, scalar.end_mark.index, new, name.value if name else tier.value)
-        )
-    if not edits:
-        raise ValueError(f"{path}: no score rules (tier small/medium, when: {{score_below: ...}}) to update")
-    for start, end, new, _ in sorted(edits, reverse=True):
-        text = text[:start] + new + text[end:]
-    tmp = path.with_name(path.name + ".calibrate.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    try:
-        load_policy(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return {name: float(new) for _, _, new, name in edits}

@@ -10,9 +10,12 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+PolicyWriter = Callable[[str, Mapping[str, float]], dict[str, float]]
+"""Writes calibrated thresholds into a policy file (``router.policy.thresholds.write_thresholds``)."""
 
 __all__ = [
     "cmd_calibrate",
@@ -164,13 +167,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         result = calibrate(args.data, parse_shares(args.shares), args.model)
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
-    if args.write_policy is not None:
-        from classifier.calibrate import write_policy
-
+    if getattr(args, "write_policy", None) is not None:
         try:
             result["written"] = {
                 "policy": args.write_policy,
-                "rules": write_policy(args.write_policy, result["thresholds"]),
+                "rules": args.policy_writer(args.write_policy, result["thresholds"]),
             }
         except (ValueError, FileNotFoundError) as exc:
             return _fail(str(exc))
@@ -203,15 +204,16 @@ def cmd_judge(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: Any) -> None:
-    """Add ``classifier {train,evaluate,calibrate}`` to an argparse subparsers object."""
+def register(subparsers: Any, *, policy_writer: PolicyWriter | None = None) -> None:
+    """Add ``classifier {train,evaluate,calibrate}`` to an argparse subparsers object; with a
+    ``policy_writer``, ``calibrate --write-policy FILE`` too (the classifier edits no policy)."""
     parser = subparsers.add_parser(
         "classifier", help="train, evaluate and calibrate the complexity classifier"
     )
-    _add_commands(parser.add_subparsers(dest="classifier_command", required=True))
+    _add_commands(parser.add_subparsers(dest="classifier_command", required=True), policy_writer)
 
 
-def _add_commands(sub: Any) -> None:
+def _add_commands(sub: Any, policy_writer: PolicyWriter | None = None) -> None:
     from classifier.train import CANDIDATES, DEFAULT_CONFIG  # cheap: scikit-learn loads inside train()
 
     p = sub.add_parser(
@@ -293,12 +295,13 @@ def _add_commands(sub: Any) -> None:
     p = sub.add_parser("calibrate", help="score_below thresholds that give target traffic shares")
     p.add_argument("--data", required=True, help='JSONL lines {"prompt": ...} (label optional)')
     p.add_argument("--shares", required=True, help="e.g. small=0.5,medium=0.3,large=0.2")
-    p.add_argument(
-        "--write-policy", help="policy YAML whose score rules get the thresholds (in place, validated)"
-    )
+    if policy_writer is not None:
+        p.add_argument(
+            "--write-policy", help="policy YAML whose score rules get the thresholds (in place, validated)"
+        )
     p.add_argument("--model", help="model directory or model.onnx (default: the shipped artifact)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=cmd_calibrate, policy_writer=policy_writer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -365,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_models_prepare)
 
     from classifier.cli import register
+    from router.policy.thresholds import write_thresholds
 
-    register(sub)
+    register(sub, policy_writer=write_thresholds)
     return parser
 
 

@@ -27,7 +27,7 @@ from router.calls import CallContext, Completion
 from router.dashboard import DASHBOARD_HTML, dashboard_data
 from router.errors import AuthError, BadRequestError, ModelNotFoundError, PayloadTooLargeError, RouterError
 from router.feedback import feedback
-from router.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, message_text
+from router.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, content_text
 from router.service import RouterService
 from router.telemetry import Telemetry
 
@@ -180,7 +180,7 @@ async def route(request: Request[Any, Any, Any], data: RouteBody) -> Response[An
     if data.messages is None and data.prompt is None:
         raise BadRequestError("Give 'messages' or 'prompt'.", param="messages")
     messages = (
-        [{"role": m.role, "content": message_text(m.content)} for m in data.messages]
+        [{"role": m.role, "content": content_text(m.content)} for m in data.messages]
         if data.messages is not None
         else None
     )

@@ -30,7 +30,7 @@ __all__ = [
     "RouteBody",
     "StreamOptions",
     "completion_id",
-    "message_text",
+    "content_text",
     "validate_chat",
     "validate_completion",
     "validate_sampling",
@@ -174,7 +174,9 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     prompt: str | None = None
 
 
-def message_text(content: str | list[ContentPart] | None) -> str:
+def content_text(content: str | list[ContentPart] | None) -> str:
+    """One message's content as text: its text parts joined (what the routing score reads of a
+    whole conversation is ``classifier.inference.message_text``)."""
     if content is None:
         return ""
     if isinstance(content, str):

@@ -14,13 +14,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.errors import BadRequestError
+from router.json_schema import check_strict_schema, close_objects
 from router.logprobs import TokenTexts
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.schemas import ChatCompletionRequest, CompletionRequest, content_text
 from router.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_grammar
 from tiers.grammar import GrammarSpec
 
-__all__ = ["OutputSpec", "check_strict_schema", "output_spec"]
+__all__ = ["OutputSpec", "output_spec"]
 
 
 @dataclass(slots=True)
@@ -57,69 +57,6 @@ class OutputSpec:
     def is_plain(self) -> bool:
         """One text choice, no logprobs: the shape the response cache stores and replays."""
         return self.n == 1 and self.best_of == 1 and self.logprobs is None and not self.parses_tool_calls
-
-
-def _schema_error(name: str, where: str, why: str) -> BadRequestError:
-    return BadRequestError(
-        f"Invalid schema for response_format '{name}': In context={where}, {why}.",
-        param="response_format.json_schema.schema",
-        code="invalid_json_schema",
-    )
-
-
-def check_strict_schema(schema: Any, name: str, path: tuple[str, ...] = ()) -> None:
-    """OpenAI's strict-mode rules: every object lists all its properties as ``required`` and sets
-    ``additionalProperties: false`` (what makes "the output validates" a guarantee)."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            check_strict_schema(item, name, (*path, str(i)))
-        return
-    if not isinstance(schema, dict):
-        return
-    types = schema.get("type")
-    is_object = types == "object" or (isinstance(types, list) and "object" in types)
-    if is_object or "properties" in schema:
-        where = "(" + ", ".join(repr(p) for p in path) + ")"
-        if schema.get("additionalProperties") is not False:
-            why = "'additionalProperties' is required to be supplied and to be false"
-            raise _schema_error(name, where, why)
-        props = list((schema.get("properties") or {}).keys())
-        missing = [p for p in props if p not in (schema.get("required") or [])]
-        if missing:
-            raise _schema_error(
-                name,
-                where,
-                f"'required' is required to be supplied and to be an array including every key "
-                f"in properties. Missing '{missing[0]}'",
-            )
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-            for sub, subschema in value.items():
-                check_strict_schema(subschema, name, (*path, key, sub))
-        elif key in ("items", "anyOf", "allOf", "oneOf", "prefixItems", "additionalProperties"):
-            check_strict_schema(value, name, (*path, key))
-
-
-def close_objects(schema: Any) -> Any:
-    """A copy of ``schema`` in which objects that list ``properties`` but leave
-    ``additionalProperties`` unset allow no other keys. JSON Schema's default admits any extra key,
-    and under a grammar a small model wanders into inventing keys until ``max_tokens``; every
-    output of the closed schema still validates against the original."""
-    if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-            out[key] = {name: close_objects(sub) for name, sub in value.items()}  # names, not schemas
-        elif key in ("enum", "const", "default", "examples", "required"):
-            out[key] = value
-        else:
-            out[key] = close_objects(value)
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _format_grammar(req: ChatCompletionRequest) -> tuple[str, GrammarSpec | None]:
@@ -162,11 +99,9 @@ def output_spec(req: ChatCompletionRequest | CompletionRequest) -> OutputSpec:
 
 
 def _raw_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    from router.schemas import message_text
-
     out: list[dict[str, Any]] = []
     for m in req.messages:
-        msg: dict[str, Any] = {"role": m.role, "content": message_text(m.content)}
+        msg: dict[str, Any] = {"role": m.role, "content": content_text(m.content)}
         if m.tool_calls:
             msg["tool_calls"] = [
                 {

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from router.errors import BadRequestError
+from router.json_schema import close_objects
 from tiers.grammar import GrammarSpec, json_options
 
 __all__ = [
@@ -227,8 +228,6 @@ def _lark_string(s: str) -> str:
 
 
 def _args_schema(tool: Tool) -> str:
-    from router.structured import close_objects
-
     schema = dict(close_objects(tool.parameters))
     # llguidance reads compile options from the schema itself inside a Lark grammar.
     schema["x-guidance"] = json_options(strict=tool.strict)

@@ -11,13 +11,51 @@ the public models the example policies name, the architecture figures of their p
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from router.policy.schema import Policy, TierConfig
+__all__ = ["PlannedPolicy", "PlannedTier", "TierPlan", "kv_budget_tokens", "parse_memory", "plan_policy"]
 
-__all__ = ["TierPlan", "kv_budget_tokens", "parse_memory", "plan_policy"]
+
+class PlannedTier(Protocol):
+    """What planning reads of a tier's configuration (the policy's ``TierConfig`` has it): the
+    engine package plans from these fields alone and knows nothing of the policy that holds them."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def quantization(self) -> str: ...
+    @property
+    def quant_group_size(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def draft(self) -> str | None: ...
+    @property
+    def speculative_tokens(self) -> int: ...
+    @property
+    def kv_cache_memory(self) -> str | None: ...
+    @property
+    def kv_cache_tokens(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def is_remote(self) -> bool: ...
+
+
+class PlannedPolicy(Protocol):
+    """A set of named tiers to plan (a loaded policy is one)."""
+
+    @property
+    def tiers(self) -> Mapping[str, PlannedTier]: ...
+
 
 _UNITS = {
     "": 1,
@@ -110,7 +148,7 @@ def device_memory(device: Any) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def kv_budget_tokens(cfg: TierConfig, bytes_per_token: int, device_total: int) -> int:
+def kv_budget_tokens(cfg: PlannedTier, bytes_per_token: int, device_total: int) -> int:
     """Tokens this tier's pool holds: ``kv_cache_memory`` when set, else ``kv_cache_tokens``."""
     if cfg.kv_cache_memory is None:
         return cfg.kv_cache_tokens
@@ -154,7 +192,7 @@ class TierPlan:
         return self.weights_bytes + self.kv_bytes + self.activation_bytes
 
 
-def _weight_bytes(config: Any, cfg: TierConfig, device: str) -> int:
+def _weight_bytes(config: Any, cfg: PlannedTier, device: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -180,13 +218,13 @@ def _weight_bytes(config: Any, cfg: TierConfig, device: str) -> int:
     return total * width
 
 
-def _dtype_name(cfg: TierConfig, device: str) -> str:
+def _dtype_name(cfg: PlannedTier, device: str) -> str:
     if cfg.dtype != "auto":
         return cfg.dtype
     return "bfloat16" if device.startswith("cuda") or cfg.quantization != "none" else "float32"
 
 
-def plan_policy(policy: Policy, device_total: int | None = None) -> list[TierPlan]:
+def plan_policy(policy: PlannedPolicy, device_total: int | None = None) -> list[TierPlan]:
     """Per local tier: weights + KV pool + activations, from configs only (nothing is loaded)."""
     total = device_total or 0
     plans = []

@@ -13,11 +13,12 @@ import yaml
 
 from classifier.cli import main, register
 from classifier.data import HELDOUT_PATH, TRAIN_PATH, load_jsonl, write_jsonl
+from router.policy.thresholds import write_thresholds
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiered-router")
-    register(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True), policy_writer=write_thresholds)
     return parser
 
 

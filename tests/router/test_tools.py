@@ -14,9 +14,10 @@ import torch
 
 from router.choices import ChoiceBuilder, Merged
 from router.errors import BadRequestError
+from router.json_schema import check_strict_schema, close_objects
 from router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from router.schemas import ChatCompletionRequest, ChatMessage, validate_chat
-from router.structured import OutputSpec, check_strict_schema, close_objects, output_spec
+from router.structured import OutputSpec, output_spec
 from router.tools import (
     ToolCallStreamer,
     ToolChoice,
