@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "ISA_FLAGS",
     "add_rms_norm_op",
     "build",
+    "cpu_is_intel",
     "host_isa",
     "int4_mm_op",
     "library_path",
@@ -62,6 +64,18 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 Why the build follows torch's dispatch rather than the CPU's flags: int4_mm.cpp reproduces the
 arithmetic and packed layout of the int4 kernel torch runs on this host, and those differ between
 torch's AVX512 and AVX2 builds; compiling for the same instruction set keeps the two in step."""
+
+
+@functools.cache
+def cpu_is_intel() -> bool:
+    """Whether this host's CPU is Intel's: some kernel choices (``quant.py``) were measured to flip
+    with the vendor (MKL's dispatch, FMA throughput), and are fixed per vendor, not timed at each
+    start."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return "intel" in platform.processor().lower()
 
 
 def host_isa() -> str | None:

@@ -21,24 +21,42 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from tiers.engine import Engine
+    from tiers.pacing import Backlog, Pace
 
-__all__ = ["DeviceWorker"]
+__all__ = ["DeviceEngine", "DeviceWorker"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class DeviceEngine(Protocol):
+    """What the worker drives (``tiers.engine.Engine``)."""
+
+    name: str
+    pace: Pace
+
+    def has_work(self) -> bool: ...
+    def has_protected_prefill(self) -> bool: ...
+    def step(self, *, defer_unprotected_prompts: bool = False) -> bool: ...
+    def abort_all(self) -> None: ...
+    def backlog(self) -> Backlog:
+        """Everything queued on the engine, as another engine's wait estimate sees it."""
+        ...
+
+
+E = TypeVar("E", bound=DeviceEngine)
 
 MAX_DEFERRED_TURNS = 4
 """Turns in a row that may hold back unprotected prompts; then one runs them, so a stream of
 protected arrivals slows a flood's prompts but never stops them."""
 
 
-class DeviceWorker:
+class DeviceWorker(Generic[E]):
     def __init__(self, name: str = "device") -> None:
-        self.engines: list[Engine] = []
+        self.engines: list[E] = []
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -52,11 +70,16 @@ class DeviceWorker:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def add_engine(self, engine: Engine) -> None:
+    def backlogs(self, exclude: object = None) -> list[tuple[Pace, Backlog]]:
+        """Each engine's pace and backlog, of those with work but ``exclude`` (any thread): what
+        a wait estimate adds for the other tiers' steps on this device (``pacing.predict_wait``)."""
+        return [(e.pace, e.backlog()) for e in self.engines if e is not exclude and e.has_work()]
+
+    def add_engine(self, engine: E) -> None:
         self.engines = [*self.engines, engine]  # copy-on-write: the loop iterates without a lock
         self.wake()
 
-    def remove_engine(self, engine: Engine) -> None:
+    def remove_engine(self, engine: E) -> None:
         self.engines = [e for e in self.engines if e is not engine]
 
     def wake(self) -> None:

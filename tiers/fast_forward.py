@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tiers.flex_paged import flex_paged_attention
 
 if TYPE_CHECKING:
-    from tiers.model_runner import AttnGroup
+    from tiers.flex_paged import AttnGroup
 
 __all__ = ["FastDecoder", "supports_fast_path"]
 
@@ -138,7 +138,7 @@ class FastDecoder:
         """One projection module for ``names`` of ``owner`` (q/k/v, gate/up) and the split sizes.
         The originals become slices of it, so the weights exist once; a second runner on the same
         model finds the fused module already there."""
-        from tiers.quant import FusedSlice, fuse_linears
+        from tiers.fusion import FusedSlice, fuse_linears
 
         mods = [getattr(owner, n) for n in names]
         sizes = [int(m.out_features) for m in mods]

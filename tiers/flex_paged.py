@@ -25,11 +25,12 @@ on the CPU, which check it against the gather path); the engine compiles it on C
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PagedBlockMask", "flex_paged_attention"]
+__all__ = ["AttnGroup", "PagedBlockMask", "flex_paged_attention"]
 
 
 class PagedBlockMask:
@@ -103,3 +104,27 @@ def flex_paged_attention(
     qb = q.view(rows, q_len, heads, dim).transpose(1, 2)  # [rows, heads, q_len, dim]
     out = fn(qb, keys, values, block_mask=mask.block_mask, scale=scale, enable_gqa=heads != kv_heads)
     return out.transpose(1, 2).reshape(n, heads, dim)
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Rows with the same query length, contiguous in the flattened token stream."""
+
+    first: int
+    """Index of the group's first token in the flattened stream."""
+    num_rows: int
+    q_len: int
+    block_idx: torch.Tensor
+    """``[num_rows * num_blocks]``: pool blocks to gather, row-major (padded with the scratch block)."""
+    kv_len: int
+    """Gathered positions per row (``num_blocks * block_size``)."""
+    starts: torch.Tensor
+    """``[num_rows]`` int64 (CPU): position of each row's first query token."""
+    mask: torch.Tensor | None
+    """``[num_rows, 1, group * q_len, kv_len]`` additive (0 / -inf, the activations' dtype), query
+    axis in GQA-folded order. Built once per forward: a bool mask would be turned into this inside
+    every layer's attention call (the same values, so the same result). ``None`` where the paged
+    attention kernel serves the group: it derives causality from ``starts``."""
+    flex: PagedBlockMask | None = None
+    """FlexAttention's block mask of the group (``FastDecoder.uses_flex``): its rows' blocks read
+    in place, no gathered copy, no dense mask."""

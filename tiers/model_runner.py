@@ -33,7 +33,7 @@ import torch
 
 from tiers.block_manager import BlockManager, BlockTable
 from tiers.fast_forward import FastDecoder, supports_fast_path
-from tiers.flex_paged import PagedBlockMask
+from tiers.flex_paged import AttnGroup, PagedBlockMask
 
 if TYPE_CHECKING:
     from tiers.loading import LoadedModel
@@ -48,30 +48,6 @@ class RowInput:
     """Position of the first fed token (= tokens of this row already in its blocks)."""
     token_ids: list[int]
     logits: Literal["none", "last", "all"] = "last"
-
-
-@dataclass(slots=True)
-class AttnGroup:
-    """Rows with the same query length, contiguous in the flattened token stream."""
-
-    first: int
-    """Index of the group's first token in the flattened stream."""
-    num_rows: int
-    q_len: int
-    block_idx: torch.Tensor
-    """``[num_rows * num_blocks]``: pool blocks to gather, row-major (padded with the scratch block)."""
-    kv_len: int
-    """Gathered positions per row (``num_blocks * block_size``)."""
-    starts: torch.Tensor
-    """``[num_rows]`` int64 (CPU): position of each row's first query token."""
-    mask: torch.Tensor | None
-    """``[num_rows, 1, group * q_len, kv_len]`` additive (0 / -inf, the activations' dtype), query
-    axis in GQA-folded order. Built once per forward: a bool mask would be turned into this inside
-    every layer's attention call (the same values, so the same result). ``None`` where the paged
-    attention kernel serves the group: it derives causality from ``starts``."""
-    flex: PagedBlockMask | None = None
-    """FlexAttention's block mask of the group (``FastDecoder.uses_flex``): its rows' blocks read
-    in place, no gathered copy, no dense mask."""
 
 
 def kv_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
@@ -195,6 +171,17 @@ class ModelRunner:
         return torch.tensor(flat, dtype=torch.long)
 
     # -- forward --------------------------------------------------------------------------------
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence ids (its generation config's and the tokenizer's)."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list | tuple):
+                ids.update(int(x) for x in src)
+        return frozenset(ids)
+
     def forward_scratch(self, token_rows: list[list[int]], start: int = 0) -> None:
         """A forward on temporary blocks (warm-up and profiling), freed before returning. Every
         row uses the same blocks: their KV is garbage nobody reads, and the pool's memory stays

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -40,6 +40,19 @@ class Proposal:
     @classmethod
     def empty(cls, rows: int) -> Proposal:
         return cls([None] * rows, [0] * rows)
+
+    def target_rows(self, batch: ScheduledBatch) -> list[RowInput]:
+        """The target's forward: each row's chunk, and the drafts it verifies (logits at every
+        position then), else the logits of its last token once the prompt is all fed."""
+        rows = []
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, self.drafts, strict=True):
+            start = seq.num_computed_tokens
+            fed = seq.token_ids[start : start + n]
+            last: Literal["all", "last", "none"] = "last" if start + n == seq.num_tokens else "none"
+            if d is not None and d.tokens:
+                fed, last = fed + d.tokens, "all"
+            rows.append(RowInput(seq.block_table.blocks, start, fed, last))
+        return rows
 
 
 class Proposer(Protocol):
@@ -291,6 +304,7 @@ class NgramDraft:
 
 
 def make_proposer(
+    tier: str,
     draft: ModelRunner | NgramProposer | None,
     spec: SpecController,
     *,
@@ -299,11 +313,17 @@ def make_proposer(
     generator: torch.Generator,
     max_num_seqs: int,
 ) -> Proposer | None:
-    """The proposer for an engine's ``draft`` (a lower tier's runner, an n-gram lookup, or none)."""
+    """The proposer for tier ``tier``'s ``draft`` (a lower tier's runner, an n-gram lookup, or
+    none); ``vocab_size``: the target's logits, which a draft model's may not exceed."""
     if draft is None:
         return None
     if isinstance(draft, NgramProposer):
         return NgramDraft(draft, spec, vocab_size=vocab_size)
+    if draft.vocab_size > vocab_size:
+        raise ValueError(
+            f"tier '{tier}': the draft's logits ({draft.vocab_size}) are wider than the target's "
+            f"({vocab_size})"
+        )
     return ModelDraft(
         draft,
         spec,

@@ -6,15 +6,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tiers.engine import Engine
-    from tiers.output import StepOutput
+    import torch
+
+    from tiers.output import IncrementalDetokenizer, StepOutput, TokenLogprob
     from tiers.sequence import Sequence
 
-__all__ = ["EngineFullError", "EngineLoad", "EngineObserver", "RequestHandle", "push_all"]
+__all__ = [
+    "Aborts",
+    "EngineFullError",
+    "EngineLoad",
+    "EngineObserver",
+    "RequestHandle",
+    "Tracked",
+    "push_all",
+]
 
 
 class EngineFullError(RuntimeError):
@@ -44,10 +53,16 @@ class EngineLoad:
         return self.num_waiting >= self.max_waiting + max(0, self.max_num_seqs - self.num_running)
 
 
+class Aborts(Protocol):
+    """What a handle asks of its engine."""
+
+    def abort(self, seq: Sequence) -> None: ...
+
+
 class RequestHandle:
     """The asyncio side of one request: iterate for outputs, ``abort()`` to cancel."""
 
-    def __init__(self, engine: Engine, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Aborts, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self.seq = seq
         self._loop = loop
@@ -86,6 +101,21 @@ class RequestHandle:
         finally:
             if not self.finished:  # the consumer went away (client disconnect, cancellation)
                 self.abort()
+
+
+@dataclass(slots=True)
+class Tracked:
+    """A request inside its engine: its sequence, handle, detokenizer, and what waits to be emitted."""
+
+    seq: Sequence
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    predicted_wait: tuple[float, bool] | None = None
+    """The uncalibrated wait predicted at submission and whether it was unprotected (the first
+    of ``n`` only)."""
 
 
 def push_all(items: list[tuple[RequestHandle, StepOutput]]) -> None:

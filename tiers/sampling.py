@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiers.batch import RowOutput
 from tiers.output import TokenLogprob
-from tiers.sequence import RowOutput, SamplingParams
+from tiers.sequence import SamplingParams
 from tiers.speculative import accept_batch
 
 if TYPE_CHECKING:

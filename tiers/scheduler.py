@@ -14,27 +14,28 @@ get blocks for its next tokens, the newest running sequence not yet in the step 
 recompute: its blocks are freed and it goes back to the front of the queue, keeping its
 generated tokens. A sequence that fits the pool alone is therefore never failed.
 
-Fairness between callers (``Sequence.caller``: tenant or key): batch slots go first to the caller
-with the fewest running sequences, each caller's own requests in arrival order, and when the batch
-is full a caller below its share (``max_num_seqs`` / busy callers) preempts the newest sequence of
-the caller furthest over it. One caller's flood therefore never holds a lighter caller's request
-longer than a step or two, and the flood's own queue keeps its order (its waits stay predictable).
+Fairness between callers: ``fairness.py`` decides who goes next and who is preempted for whom.
 
-Draft-side KV (speculative tiers) follows the target: a sequence's draft table is grown for the
-chunk the draft will feed this step, and a sequence whose draft cannot get blocks simply does not
-speculate (drafting is an optimisation; it never preempts anything).
+Draft-side KV (speculative tiers) follows the target (``draft_tables.py``).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
+from tiers.batch import ModelOutput, ScheduledBatch, SchedulerConfig, StepSink
 from tiers.block_manager import BlockManager
-from tiers.pacing import Backlog
-from tiers.sequence import FinishReason, ModelOutput, Sequence, SequenceStatus
+from tiers.draft_tables import DraftTables
+from tiers.fairness import (
+    fair_share,
+    fairness_victims,
+    has_protected_prefill,
+    next_waiting,
+    protected_callers,
+)
+from tiers.pacing import Backlog, queue_backlog
+from tiers.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "StepSink"]
 
@@ -43,69 +44,7 @@ MAX_DRAFT_CATCHUP = 8
 backlog (after plain steps) is caught up in chunks first."""
 
 
-class StepSink(Protocol):
-    """Where ``Scheduler.update_from_output`` hands each row's outcome (the engine)."""
-
-    def on_accept(self, seq: Sequence, num_accepted: int) -> None:
-        """The target settled ``seq``'s proposal at ``num_accepted`` drafts."""
-
-    def deliver(self, seq: Sequence, tokens: list[int], logprobs: list[Any] | None) -> None:
-        """New tokens for ``seq`` (appended by ``Scheduler.append_tokens``), then emitted."""
-
-    def fail(self, seq: Sequence, message: str) -> None:
-        """``seq`` cannot go on (finish it with an error)."""
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 16
-    """Sequences in one batch (a bound on the batch, not on memory: blocks are)."""
-    max_num_batched_tokens: int = 512
-    """Tokens one step may feed the target: decodes + speculative tokens + prefill chunks."""
-    max_model_len: int = 2048
-    """Prompt plus output tokens a sequence may hold."""
-    max_waiting: int = 64
-    """Sequences allowed to wait for a batch slot; the engine refuses more."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_waiting < 0:
-            raise ValueError("max_waiting must be >= 0")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}): every running sequence needs a token each step"
-            )
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    """Tokens of ``token_ids`` fed to the target per sequence, speculative tokens not included."""
-    num_spec_tokens: list[int]
-    """Speculative tokens the engine may draft per sequence (0: plain)."""
-    num_draft_tokens: list[int]
-    """Tokens of ``token_ids`` fed to the draft per sequence before drafting (catch-up)."""
-    admitted: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    preempted_for_blocks: bool = False
-    """A sequence was preempted because the pool ran short (not for fairness): admit no one."""
-    kind: str = "decode"
-    """For metrics: ``decode`` (every row one token behind), ``prefill`` (none is) or ``mixed``."""
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens) + sum(self.num_spec_tokens)
-
-
-class Scheduler:
+class Scheduler(DraftTables):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -127,29 +66,20 @@ class Scheduler:
     # -- intake ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` at the back (preempted sequences go back to the front: they already hold
-        a turn). Which waiting sequence joins the batch next is decided per caller (``_next_waiting``)."""
+        a turn). Which waiting sequence joins the batch next is decided per caller
+        (``fairness.next_waiting``)."""
         self.waiting.append(seq)
 
     def fair_share(self, num_callers: int) -> int:
-        """Batch slots each of ``num_callers`` busy callers is entitled to."""
-        return max(1, self.config.max_num_seqs // max(1, num_callers))
+        return fair_share(self.config.max_num_seqs, num_callers)
 
     def protected_callers(self) -> set[str]:
-        """Callers below their fair share while another caller is busy here too (what
-        ``backlog`` calls protected): their prompts go before anyone else's."""
-        held = Counter(s.caller for s in [*self.running, *self.waiting] if not s.is_finished)
-        if len(held) < 2:
-            return set()
-        share = self.fair_share(len(held))
-        return {c for c, n in held.items() if n < share}
+        """Callers below their fair share while another caller is busy here too (``fairness.py``)."""
+        return protected_callers([*self.running, *self.waiting], self.config.max_num_seqs)
 
     def has_protected_prefill(self) -> bool:
         """A protected caller's prompt is not yet computed (waiting or running)."""
-        callers = self.protected_callers()
-        return bool(callers) and any(
-            s.caller in callers and not s.is_decoding and not s.is_finished
-            for s in [*self.running, *self.waiting]
-        )
+        return has_protected_prefill([*self.running, *self.waiting], self.config.max_num_seqs)
 
     def backlog(
         self,
@@ -161,70 +91,18 @@ class Scheduler:
         inbox_mine: int = 0,
         inbox_mine_tokens: int = 0,
     ) -> Backlog:
-        """What a new request from ``caller`` finds ahead of it (a snapshot; any thread), with
-        ``inbox`` requests of ``inbox_tokens`` prompt tokens not yet handed to the scheduler
-        (``inbox_mine`` of them, of ``inbox_mine_tokens`` tokens, the caller's own).
-        ``caller=None``: a request that holds no share (the whole backlog is ahead of it).
-
-        A caller below its fair share gets a slot at once (free, or preempted from a caller over
-        its share) and its prompt runs after the running prefills of callers no heavier and after
-        its own earlier requests (a caller's requests keep their order); any other
-        request also waits for the queued prompts of callers running no more than its own (all of
-        them for ``None``), and for a slot once the batch is full: the steps until the
-        running sequences have finished often enough (``expected_len``: output tokens a sequence
-        is expected to produce, capped by each one's ``max_tokens``)."""
-        running, waiting = list(self.running), list(self.waiting)
-        decoding = sum(1 for s in running if s.is_decoding)
-        running_prefill = sum(s.num_tokens - s.num_computed_tokens for s in running if not s.is_decoding)
-        if caller is not None:
-            per_caller = Counter(s.caller for s in running)
-            mine = sum(1 for s in [*running, *waiting] if s.caller == caller)
-            callers = per_caller.keys() | {s.caller for s in waiting} | {caller}
-            # A lone caller is protected by nothing: any caller arriving after it is lighter and
-            # goes first. (Counted as protected, a flood's requests, pushed back by a light
-            # tenant's, taught the protected calibration a 4x ratio that then refused that tenant.)
-            if len(callers) > 1 and mine + inbox_mine < self.fair_share(len(callers)):
-                # Its prompt goes before those of callers running more than it does.
-                ahead = sum(
-                    s.num_tokens - s.num_computed_tokens
-                    for s in running
-                    if not s.is_decoding and per_caller[s.caller] <= mine + 1
-                )
-                ahead += sum(s.num_tokens - s.num_computed_tokens for s in waiting if s.caller == caller)
-                return Backlog(ahead + inbox_mine_tokens, decoding, 0, protected=True)
-            # Free slots go to the waiting caller running the fewest (``_next_waiting``): only
-            # the queued requests of callers running no more than this one are ahead of it.
-            waiting = [s for s in waiting if per_caller[s.caller] <= per_caller[caller]]
-        queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
-        protected = self.protected_callers() if caller is None else set()
-        protected_prefill = sum(
-            s.num_tokens - s.num_computed_tokens
-            for s in [*running, *waiting]
-            if s.caller in protected and not s.is_decoding
-        )
-        slots_ahead = max(0, len(running) + len(waiting) + inbox + 1 - self.config.max_num_seqs)
-        slot_steps = 0.0
-        if slots_ahead:
-            # The k-th slot frees when the k-th shortest remaining sequence ends, among those
-            # holding the batch's slots once the free ones are taken: the running ones, and the
-            # first of the queue ahead for their whole lives. (Counting only the running ones
-            # left a burst that landed on an idle engine with no slot wait at all: measured, 70
-            # requests in 0.3 s were all admitted to the small tier and the last waited 24 s.)
-            # Beyond the batch, slots turn over once per expected lifetime.
-            budget = self.config.max_num_batched_tokens
-            left = [_steps_left(s, expected_len, budget) for s in running]
-            free = max(0, self.config.max_num_seqs - len(running))
-            left += [_steps_left(s, expected_len, budget) for s in waiting[:free]]
-            left += [1.0 + max(1.0, expected_len)] * min(inbox, free - min(free, len(waiting)))
-            left.sort()
-            laps, k = divmod(slots_ahead - 1, len(left))
-            slot_steps = left[k] + laps * max(1.0, expected_len)
-        return Backlog(
-            running_prefill + queued + inbox_tokens,
-            decoding,
-            slots_ahead,
-            slot_steps=slot_steps,
-            protected_prefill_tokens=protected_prefill,
+        """What a new request from ``caller`` finds ahead of it (``pacing.queue_backlog``)."""
+        return queue_backlog(
+            list(self.running),
+            list(self.waiting),
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            caller,
+            inbox,
+            inbox_tokens,
+            expected_len,
+            inbox_mine=inbox_mine,
+            inbox_mine_tokens=inbox_mine_tokens,
         )
 
     @property
@@ -322,7 +200,7 @@ class Scheduler:
         lighter_than: int | None = None,
         only: set[str] | None = None,
     ) -> int:
-        """Waiting sequences while there is room, fairly between callers (``_next_waiting``) -
+        """Waiting sequences while there is room, fairly between callers (``fairness.next_waiting``) -
         none right after a preemption for blocks: the pool is short, and a readmitted sequence
         would only be preempted again. ``lighter_than``: only while the next one's caller runs
         fewer sequences than that; ``only``: only these callers' (the next one is another's:
@@ -337,7 +215,7 @@ class Scheduler:
             and not batch.preempted_for_blocks
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self._next_waiting(running, only, forks_waiting)
+            seq = next_waiting(self.waiting, running, only, forks_waiting)
             if seq is None:
                 break
             if lighter_than is not None and running[seq.caller] >= lighter_than:
@@ -360,45 +238,11 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _next_waiting(
-        self, running: Counter[str], only: set[str] | None = None, passed: set[int] | None = None
-    ) -> Sequence | None:
-        """Fair queuing between callers: the waiting sequence of the caller with the fewest
-        running sequences goes next; within one caller, queue order (its preempted sequences,
-        then its arrivals). A caller's own requests therefore never overtake each other, so the
-        wait admission predicted for one is not stretched by the same caller's later arrivals.
-        ``only``: among these callers' (``None`` when none of theirs waits); ``passed``: sequence
-        ids not to pick (branches waiting for their first branch's prompt)."""
-        best: Sequence | None = None
-        for seq in self.waiting:
-            if (only is not None and seq.caller not in only) or (passed and seq.seq_id in passed):
-                continue
-            if best is None or running[seq.caller] < running[best.caller]:
-                best = seq
-        return best
-
     def _preempt_for_fairness(self, batch: ScheduledBatch) -> None:
-        """A caller below its fair share of batch slots, waiting while the batch is full, takes a
-        slot from the caller furthest over its share: that caller's newest running sequence is
-        preempted by recompute (it has done the least work; its full blocks stay named in the
-        prefix cache, so the recompute is mostly cache hits). Without this a flooding caller keeps
-        every slot and a light caller waits for the flood's answers to finish (vLLM's priority
-        preemption, with the caller's share as the priority)."""
-        if len(self.running) < self.config.max_num_seqs or not self.waiting:
-            return
-        running = Counter(s.caller for s in self.running)
-        waiting = Counter(s.caller for s in self.waiting if not s.is_finished)
-        share = self.fair_share(len(running.keys() | waiting.keys()))
-        for caller in list(waiting):
-            while waiting[caller] and running[caller] < share:
-                victim_caller, held = running.most_common(1)[0]
-                if held <= share:
-                    return
-                victim = next(s for s in reversed(self.running) if s.caller == victim_caller)
-                self._preempt(victim, batch)
-                running[victim_caller] -= 1
-                running[caller] += 1  # the slot it frees is this caller's (``_next_waiting``)
-                waiting[caller] -= 1
+        """A caller below its fair share, waiting while the batch is full, takes a slot from the
+        caller furthest over its share (``fairness.fairness_victims``)."""
+        for victim in fairness_victims(self.running, self.waiting, self.config.max_num_seqs):
+            self._preempt(victim, batch)
 
     def _chunk(self, remaining: int, budget: int, contended: bool) -> int:
         """Tokens a sequence feeds this step. A long prompt may not hold the whole budget while
@@ -410,61 +254,15 @@ class Scheduler:
             n = min(n, max(1, self.config.max_num_batched_tokens // 2))
         return n
 
-    def _spec_wanted(self, seq: Sequence) -> int:
-        if self.spec_budget is None or self.draft_blocks is None or not seq.is_decoding:
-            return 0
-        return self.spec_budget(seq)
-
     def _add_row(self, batch: ScheduledBatch, seq: Sequence, n: int, k: int, *, follow_draft: bool) -> None:
         """``follow_draft``: the draft feeds this step too (prefill chunks, and decodes that want
         to speculate); a decode that does not speculate leaves the draft behind, to be caught up
-        in chunks when speculation pays again."""
-        if self.draft_blocks is not None and not k and not self._may_speculate(seq):
-            # Speculation is off for this row: the draft is not fed (work for nothing while it
-            # stays off) and holds none of the lower tier's pool, which that tier's own requests
-            # need; its full blocks keep their names and are found again when speculation resumes.
-            self._release_draft(seq)
-            draft_n = 0
-        else:
-            draft_n = self._draft_feed(seq, n, k) if follow_draft else 0
-            if k and draft_n < 0:
-                k, draft_n = 0, self._draft_feed(seq, n, 0)
+        in chunks when speculation pays again (``draft_tables.py``)."""
+        k, draft_n = self._draft_row(seq, n, k, follow_draft)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.num_spec_tokens.append(k)
         batch.num_draft_tokens.append(max(0, draft_n))
-
-    def _draft_feed(self, seq: Sequence, n: int, k: int) -> int:
-        """Tokens the draft feeds this step: with ``k``, its whole backlog (then it proposes k);
-        without, up to the target's chunk end, at most one step budget. -1 when its blocks
-        cannot be had (the row then runs without drafting)."""
-        if self.draft_blocks is None:
-            return 0
-        if not seq.draft_table.blocks and seq.num_draft_computed_tokens == 0:
-            self._attach_draft_prefix(seq)  # released while speculation was off: find its blocks
-        dc = seq.num_draft_computed_tokens
-        if k:
-            end = seq.num_tokens
-        else:
-            end = min(
-                seq.num_computed_tokens + n, seq.num_tokens - 1, dc + self.config.max_num_batched_tokens
-            )
-        feed = max(0, end - dc)
-        if feed == 0 and k == 0:
-            return 0
-        if not self.draft_blocks.allocate(seq.draft_table, dc + feed + max(0, k - 1)):
-            return -1
-        return feed
-
-    def _may_speculate(self, seq: Sequence) -> bool:
-        """The engine speculates this step and ``seq`` may draft (no ``spec_budget``: always)."""
-        return self.spec_budget is None or self.spec_budget(seq) > 0
-
-    def _release_draft(self, seq: Sequence) -> None:
-        assert self.draft_blocks is not None
-        if seq.draft_table.blocks:
-            self.draft_blocks.free(seq.draft_table, seq.token_ids, seq.num_draft_computed_tokens)
-        seq.num_draft_computed_tokens = 0
 
     def _may_fork(self, seq: Sequence) -> bool:
         """``n > 1`` branches wait until their first branch has computed the prompt, then share
@@ -505,14 +303,6 @@ class Scheduler:
             seq.num_cached_tokens = cached
         self._attach_draft_prefix(seq)
         return n
-
-    def _attach_draft_prefix(self, seq: Sequence) -> None:
-        """A prefix-cache hit in the draft's pool skips the draft's prefill of those tokens too."""
-        if self.draft_blocks is None or seq.draft_table.blocks:
-            return
-        hit = self.draft_blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=seq.num_tokens - 1)
-        if hit and self.draft_blocks.allocate(seq.draft_table, len(hit) * self.draft_blocks.block_size, hit):
-            seq.num_draft_computed_tokens = len(hit) * self.draft_blocks.block_size
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free ``seq``'s blocks and requeue it at the front; it recomputes its tokens later."""
@@ -633,15 +423,3 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
-
-
-def _steps_left(seq: Sequence, expected_len: float, budget: int) -> float:
-    """Steps until ``seq`` ends: what is left of its prompt (in budget-sized chunks), then its
-    expected length (capped by ``max_tokens``) less what it has produced; a sequence already past
-    that is assumed halfway through what it may still add."""
-    prefill = -(-max(0, seq.num_prompt_tokens - seq.num_computed_tokens) // max(1, budget))
-    out = seq.num_output_tokens
-    expected = min(float(seq.params.max_tokens), expected_len)
-    if out < expected:
-        return prefill + expected - out
-    return max(1.0, seq.num_remaining_tokens / 2)

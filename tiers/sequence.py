@@ -13,14 +13,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tiers.block_manager import BlockTable
 
 if TYPE_CHECKING:
     from tiers.constraint import TokenConstraint
 
-__all__ = ["FinishReason", "ModelOutput", "RowOutput", "SamplingParams", "Sequence", "SequenceStatus"]
+__all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
 _ids = itertools.count(1)
 
@@ -222,24 +222,3 @@ class Sequence:
         self.status = status
         self.finish_reason = reason
         self.finish_time = time.monotonic()
-
-
-@dataclass(slots=True)
-class RowOutput:
-    """What one step decided for a row that chose tokens (``Scheduler.update_from_output`` applies it)."""
-
-    tokens: list[int]
-    """The accepted drafts, then the target's own token."""
-    num_drafted: int = 0
-    num_accepted: int = 0
-    logprobs: list[Any] | None = None
-    """``TokenLogprob`` per token of ``tokens`` (rows that asked for logprobs)."""
-
-
-@dataclass(slots=True)
-class ModelOutput:
-    """One step's results: a ``RowOutput`` per row (``None``: a prompt chunk short of the
-    prompt's end, which chooses nothing), and the tokens each row's draft wrote into its KV."""
-
-    rows: list[RowOutput | None]
-    draft_fed: list[int]

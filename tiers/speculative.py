@@ -10,15 +10,31 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiers.block_manager import BlockManager
 
-__all__ = ["NGRAM", "NgramProposer", "SpecController", "accept_batch"]
+if TYPE_CHECKING:
+    from tiers.sequence import Sequence
+
+__all__ = ["NGRAM", "NgramProposer", "SpecController", "accept_batch", "spec_budget"]
 
 NGRAM = "ngram"
 """The policy's ``draft`` value that drafts by n-gram lookup instead of a tier's model."""
+
+
+def spec_budget(seq: Sequence, k: int, max_model_len: int) -> int:
+    """How many tokens ``seq`` may draft this step at the engine's ``k``: none for penalized
+    requests (their logits depend on the tokens before them) and for seeded sampled ones (the
+    documented contract: a seed reproduces a request's output, which a load-dependent k would
+    not), never past max_tokens or the context."""
+    p = seq.params
+    if k == 0 or p.has_penalties or (p.seed is not None and not p.is_greedy):
+        return 0
+    room = min(seq.num_remaining_tokens - 1, max_model_len - seq.num_tokens - 1)
+    return max(0, min(k, room))
 
 
 def accept_batch(

@@ -152,13 +152,8 @@ def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None
     """q/k/v fused into one call give exactly the separate outputs (the fast path relies on it)."""
     from torch import nn
 
-    from tiers.quant import (
-        FusedSlice,
-        Int4WeightOnlyLinear,
-        Int8WeightOnlyLinear,
-        PackedFp32Linear,
-        fuse_linears,
-    )
+    from tiers.fusion import FusedSlice, fuse_linears
+    from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedFp32Linear
 
     torch.manual_seed(0)
     make = {
@@ -185,7 +180,7 @@ def test_int4_parts_fuse_only_in_whole_pack_blocks(sizes: tuple[int, ...], fusab
     """The CPU int4 layout interleaves channels within blocks of 64 outputs: parts that are not
     whole blocks are left unfused (concatenated they gave other channels' outputs), whole blocks
     fuse and stay bitwise equal."""
-    from tiers.quant import fuse_linears
+    from tiers.fusion import fuse_linears
 
     torch.manual_seed(0)
     mods = [Int4WeightOnlyLinear(nn.Linear(64, n, bias=False), 32) for n in sizes]
