@@ -1,5 +1,5 @@
 """Which ASGI server in front of the router: uvicorn as ``serve`` runs it (httptools + uvloop +
-``router.server``'s guards), plain uvicorn, hypercorn and granian, on the same app (tiny tiers).
+``router.http.server``'s guards), plain uvicorn, hypercorn and granian, on the same app (tiny tiers).
 
 Per server: keep-alive throughput and latency over 32 connections for 5 s on ``/healthz`` (the
 server and middleware alone) and ``/v1/models`` (a routed litestar handler), then a slow-loris
@@ -33,14 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 APP = """
 import os
-from router.app import create_app
+from router.http.app import create_app
 app = create_app(os.environ["BENCH_POLICY"], watch_policy=False)
 """
 GUARDED = """
 import sys
 import uvicorn
 from app import app
-from router.server import ServerLimits, uvicorn_config
+from router.http.server import ServerLimits, uvicorn_config
 cfg = uvicorn_config(app, "127.0.0.1", int(sys.argv[1]), ServerLimits(), lifespan="on", log_level="warning")
 uvicorn.Server(cfg).run()
 """

@@ -50,7 +50,7 @@ def main() -> None:
     levels = [1, 4] if args.quick else [1, 16]
     tier_names = ["small"] if args.quick else ["small", "medium"]
 
-    from router.backends import build_tiers
+    from router.backends.tierset import build_tiers
     from router.policy.loader import load_policy
     from tiers.device import DeviceWorker
     from tiers.grammar import GrammarSpec, compiler_for

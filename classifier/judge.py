@@ -1,6 +1,6 @@
 """The judge step of the learning loop: score logged answers, write outcome rows to train on.
 
-Shadow mode (router/shadow.py) logs, for a sample of requests, the served tier's answer and a
+Shadow mode (router/pipeline/shadow.py) logs, for a sample of requests, the served tier's answer and a
 second tier's answer to the same prompt, with empty ``outcomes``. A *scorer* fills them in; the
 judged lines then train a new routing score with ``classifier train --outcomes BASE --extra
 judged.jsonl`` (lines about one answer - a judged shadow line and ``POST /v1/feedback`` on the

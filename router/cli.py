@@ -57,7 +57,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 def _unknown_key_tenants(policy: Policy) -> list[str]:
     """A line per tenant that the keys (where readable here) name but ``tenants`` does not: it
     gets ``tenants.default``'s caps, or the tiers every named tenant shares (never all of them)."""
-    from router.auth import load_entries
+    from router.http.auth import load_entries
     from router.policy.decide import unknown_tenant_tiers
 
     auth = policy.service.auth
@@ -169,9 +169,9 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.app import admin_listener, create_app
     from router.errors import PolicyError
-    from router.server import ServerLimits, uvicorn_config
+    from router.http.app import admin_listener, create_app
+    from router.http.server import ServerLimits, uvicorn_config
 
     admin = args.admin_port > 0
     limits = ServerLimits(

@@ -1,4 +1,4 @@
-"""One exception hierarchy for the service; ``router.app`` maps it to OpenAI-shaped bodies in one place.
+"""One exception hierarchy for the service; ``router.http.app`` maps it to OpenAI-shaped bodies in one place.
 
 Every error a client can see carries ``status_code``, OpenAI's ``type``, the offending ``param``
 (or None) and a machine-readable ``code``.

@@ -11,7 +11,7 @@ Order of evaluation:
    (the tenant's, not full), the one whose ``costs`` (the request's predicted completion plus the
    delay it adds to others on the shared device, ``tiers/pacing.py``) are lowest - a higher one
    while within ``up_tolerance`` of the lowest. The rule becomes ``load:<rule>`` when it moved.
-4. Session: a follow-up of a conversation that had a tier (``session``, see router/session.py)
+4. Session: a follow-up of a conversation that had a tier (``session``, see router/pipeline/session.py)
    never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.
 5. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
 6. Load: a full tier falls back along ``routing.fallback`` (within the tenant's tiers); when the
@@ -56,7 +56,7 @@ class RouteRequest:
     """``response_format.type``; ``text`` when absent."""
     logprobs: bool = False
     session: str | None = None
-    """The tier this conversation had before (router/session.py), if any."""
+    """The tier this conversation had before (router/pipeline/session.py), if any."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,7 +185,7 @@ class Rule:
 
 @dataclass(slots=True)
 class SessionConfig:
-    """Session-aware routing (router/session.py): follow-ups of a conversation keep its tier."""
+    """Session-aware routing (router/pipeline/session.py): follow-ups of a conversation keep its tier."""
 
     enabled: bool = True
     mode: Literal["floor", "pin"] = "floor"
@@ -328,7 +328,7 @@ def state_file(name: str) -> str:
 
 @dataclass(slots=True)
 class FeedbackConfig:
-    """``POST /v1/feedback`` (router/shadow.py): scores for answers this service issued."""
+    """``POST /v1/feedback`` (router/pipeline/shadow.py): scores for answers this service issued."""
 
     enabled: bool = True
     log_path: str = field(default_factory=lambda: state_file("feedback.jsonl"))
@@ -343,7 +343,7 @@ class FeedbackConfig:
 
 @dataclass(slots=True)
 class LimitsConfig:
-    """What one request may ask of the service (router/limits.py); past a bound it is a 400 that
+    """What one request may ask of the service (router/pipeline/limits.py); past a bound it is a 400 that
     names the limit. Each bounds work that grows with the request and that no client should be
     able to make everyone else wait for."""
 
@@ -384,7 +384,7 @@ class ServiceConfig:
 
 @dataclass(slots=True)
 class ShadowConfig:
-    """Shadow mode (router/shadow.py): also answer a sample of requests on another tier, off the
+    """Shadow mode (router/pipeline/shadow.py): also answer a sample of requests on another tier, off the
     critical path and only in idle capacity, and log both answers for judging."""
 
     enabled: bool = False

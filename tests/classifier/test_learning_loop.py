@@ -25,8 +25,8 @@ import yaml
 from classifier.cli import main as classifier_main
 from classifier.judge import exact_match, judge_rows, normalize, number_match
 from classifier.outcomes import load_outcomes
-from router.app import admin_listener
-from router.shadow import ShadowRecorder, shadow_row
+from router.http.app import admin_listener
+from router.pipeline.shadow import ShadowRecorder, shadow_row
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, free_port, start_server
 

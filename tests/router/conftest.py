@@ -58,7 +58,7 @@ class Server:
 def start_server(policy_path: Path, ready_timeout_s: float = 120, **app_kwargs: Any) -> tuple[Server, Any]:
     import uvicorn
 
-    from router.app import create_app
+    from router.http.app import create_app
 
     app = create_app(policy_path, **app_kwargs)
     port = free_port()

@@ -1,4 +1,4 @@
-"""router/admission.py without a server: the fair share per caller and its window, the hold that
+"""router/pipeline/admission.py without a server: the fair share per caller and its window, the hold that
 releases exactly once, the client deadline, priorities, each tier's pressure and the refusal's
 error and Retry-After (test_admission.py drives the same through HTTP)."""
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-import router.admission
-from router.admission import FairShare, TierPressure, client_deadline_s, rejection, tier_pressures
+import router.pipeline.admission
 from router.errors import BadRequestError, OverloadedError, UnavailableError
+from router.pipeline.admission import FairShare, TierPressure, client_deadline_s, rejection, tier_pressures
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
 
@@ -40,7 +40,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(router.admission, "time", fake)
+    monkeypatch.setattr(router.pipeline.admission, "time", fake)
     return fake
 
 

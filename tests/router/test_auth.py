@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from router.auth import ApiKeys, Caller
+from router.http.auth import ApiKeys, Caller
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, start_server
 
@@ -171,7 +171,7 @@ def test_rotated_key_is_rejected_within_two_seconds(server: Server, keys_file: P
 
 
 def test_x_tenant_is_ignored_unless_trusted() -> None:
-    from router.auth import Authenticator
+    from router.http.auth import Authenticator
     from router.policy.schema import AuthConfig
 
     strict = Authenticator(AuthConfig(mode="open"), ApiKeys({}))
@@ -238,7 +238,7 @@ def test_an_unreadable_keys_file_keeps_the_last_good_keys(tmp_path: Path) -> Non
     """A Kubernetes Secret update swaps a symlink: for a moment the path is missing, or reads half
     a file. Catches that blip revoking every key (every request a 401 until the next good read);
     a file that reads and holds no key still revokes them (fail closed)."""
-    from router.auth import Authenticator
+    from router.http.auth import Authenticator
     from router.policy.schema import AuthConfig
 
     path = tmp_path / "api-keys"
@@ -295,7 +295,7 @@ def test_unit_lookup_checks_scheme_token_and_names_the_key_by_fingerprint() -> N
 def test_unit_keys_load_from_env_and_file_and_each_empty_source_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from router.auth import load_entries
+    from router.http.auth import load_entries
     from router.policy.schema import AuthConfig
 
     path = tmp_path / "keys"
@@ -322,8 +322,8 @@ def test_unit_keys_load_from_env_and_file_and_each_empty_source_is_named(
 def test_unit_keys_mode_without_a_key_refuses_to_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from router.auth import Authenticator
     from router.errors import PolicyError
+    from router.http.auth import Authenticator
     from router.policy.loader import parse_policy
 
     base = "tiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n"
@@ -345,7 +345,7 @@ def test_unit_keys_mode_without_a_key_refuses_to_start(
 
 
 def test_unit_the_tenant_header_is_trimmed_bounded_and_only_fills_a_gap() -> None:
-    from router.auth import MAX_TENANT_CHARS, Authenticator
+    from router.http.auth import MAX_TENANT_CHARS, Authenticator
     from router.policy.schema import AuthConfig
 
     trusted = Authenticator(AuthConfig(mode="open", trust_tenant_header=True), ApiKeys({}))
@@ -364,7 +364,7 @@ def test_unit_the_tenant_header_is_trimmed_bounded_and_only_fills_a_gap() -> Non
 
 
 def test_unit_anthropic_x_api_key_is_the_same_key_and_authorization_wins() -> None:
-    from router.auth import Authenticator
+    from router.http.auth import Authenticator
     from router.policy.schema import AuthConfig
 
     auth = Authenticator(AuthConfig(), ApiKeys({"k1": "t1", "k2": "t2"}))
@@ -382,7 +382,7 @@ def test_unit_refresh_reloads_only_what_changed_and_says_so(
     the reason; an unreadable file is reported once, not on every poll."""
     import logging
 
-    from router.auth import Authenticator, load_entries
+    from router.http.auth import Authenticator, load_entries
     from router.policy.schema import AuthConfig
 
     path = tmp_path / "keys"
@@ -391,7 +391,7 @@ def test_unit_refresh_reloads_only_what_changed_and_says_so(
     auth = Authenticator(cfg, ApiKeys(load_entries(cfg)[0]))
     assert auth.source == ""
     assert auth.refresh() is False  # the file it started from: nothing to reload
-    caplog.set_level(logging.INFO, logger="router.auth")
+    caplog.set_level(logging.INFO, logger="router.http.auth")
     path.write_text("k1:t\nk2\nk3\n")
     assert auth.refresh() is True
     assert [r.getMessage() for r in caplog.records] == [f"auth: 3 API key(s) loaded from {path}"]
@@ -427,8 +427,8 @@ def test_unit_starting_without_keys_names_the_policy_and_field(
 ) -> None:
     import logging
 
-    from router.auth import Authenticator
     from router.errors import PolicyError
+    from router.http.auth import Authenticator
     from router.policy.loader import parse_policy
 
     base = "tiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}\n"
@@ -451,7 +451,7 @@ def test_unit_starting_without_keys_names_the_policy_and_field(
     monkeypatch.setenv("UNIT_KEYS", "k")
     empty = tmp_path / "empty"
     empty.write_text("")
-    caplog.set_level(logging.WARNING, logger="router.auth")
+    caplog.set_level(logging.WARNING, logger="router.http.auth")
     two = parse_policy(
         base + f"service: {{auth: {{api_keys_env: UNIT_KEYS, api_keys_file: {empty}}}}}\n", source="q.yaml"
     )

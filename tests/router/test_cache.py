@@ -17,13 +17,13 @@ import msgspec
 import numpy as np
 import pytest
 
-import router.cache
-from router.cache import CacheKey, MemoryStore, RedisStore, ResponseCache
-from router.calls import CallContext, Generation
+import router.pipeline.cache
+from router.openai.schemas import ChatCompletionRequest
+from router.pipeline.cache import CacheKey, MemoryStore, RedisStore, ResponseCache
+from router.pipeline.calls import CallContext, Generation
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
 from router.policy.schema import CacheConfig, SemanticCacheConfig
-from router.schemas import ChatCompletionRequest
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, free_port, start_server
 
@@ -316,7 +316,7 @@ def test_a_paused_redis_costs_at_most_its_timeout(redis_server: Server, redis_ur
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside router/cache.py: expiry without sleeping."""
+    """Stands in for the ``time`` module inside router/pipeline/cache.py: expiry without sleeping."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -328,7 +328,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(router.cache, "time", fake)
+    monkeypatch.setattr(router.pipeline.cache, "time", fake)
     return fake
 
 
@@ -525,7 +525,7 @@ class Counted:
 def request_gen(body: dict[str, object]) -> Generation:
     body = {"model": "auto", "temperature": 0, **body}
     if "prompt" in body:
-        from router.schemas import CompletionRequest
+        from router.openai.schemas import CompletionRequest
 
         req = msgspec.convert(body, CompletionRequest)
         return Generation("completion", req, None, str(body["prompt"]), False, False)
@@ -631,7 +631,7 @@ async def test_lookups_report_hits_misses_and_never_serve_a_broken_entry() -> No
 
 
 def test_the_semantic_index_is_bounded_and_replaces_a_key() -> None:
-    from router.cache import SemanticIndex
+    from router.pipeline.cache import SemanticIndex
 
     index = SemanticIndex(3)
     e = np.eye(4, dtype=np.float32)
@@ -652,7 +652,7 @@ def test_the_semantic_index_is_bounded_and_replaces_a_key() -> None:
 
 
 def test_build_cache_picks_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.cache import build_cache
+    from router.pipeline.cache import build_cache
 
     def policy(cache: str) -> object:
         return parse_policy(
@@ -670,7 +670,7 @@ def test_build_cache_picks_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNIT_REDIS", "redis://127.0.0.1:1/0")
     shared = build_cache(policy("{backend: redis, redis_url_env: UNIT_REDIS, redis_timeout_s: 0.3}"))  # type: ignore[arg-type]
     assert shared is not None and isinstance(shared.backend, RedisStore) and shared.backend.timeout_s == 0.3
-    from router import embedder
+    from router.pipeline import embedder
 
     monkeypatch.setattr(embedder.Embedder, "load", classmethod(lambda cls: WordEmbedder()))
     semantic = build_cache(policy("{semantic: {enabled: true}}"))  # type: ignore[arg-type]

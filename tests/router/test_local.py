@@ -1,4 +1,4 @@
-"""Request building for in-process tiers (router/local.py), without a model."""
+"""Request building for in-process tiers (router/backends/local.py), without a model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from router.backends.local import _logit_bias, system_fingerprint
 from router.errors import BadRequestError
-from router.local import _logit_bias, system_fingerprint
 
 
 def _tier(vocab: int) -> Any:

@@ -13,7 +13,7 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-from router.schemas import VLLM_EXTENSIONS, ChatCompletionRequest, CompletionRequest
+from router.openai.schemas import VLLM_EXTENSIONS, ChatCompletionRequest, CompletionRequest
 from tests.router.conftest import Server
 
 # field -> the test that shows it honoured ("module::function").

@@ -141,7 +141,7 @@ def test_tier_that_fails_to_load_keeps_the_service_not_ready(
 
     import uvicorn
 
-    from router.app import create_app
+    from router.http.app import create_app
 
     path = tmp_path / "policy.yaml"
     path.write_text(tiny_policy_yaml(tmp_path / "no-such-model"))

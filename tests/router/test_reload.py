@@ -177,8 +177,8 @@ def test_an_edit_while_the_first_tiers_load_waits_for_them(
     import asyncio
     from types import SimpleNamespace
 
+    from router.http.reload import PolicyWatcher
     from router.policy.loader import parse_policy
-    from router.reload import PolicyWatcher
 
     path = tmp_path / "policy.yaml"
     path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False))
@@ -193,7 +193,7 @@ def test_an_edit_while_the_first_tiers_load_waits_for_them(
     async def fake_apply(app: object, new: object) -> None:
         applied.append(new)
 
-    monkeypatch.setattr("router.reload.apply_policy", fake_apply)
+    monkeypatch.setattr("router.http.reload.apply_policy", fake_apply)
     counter = SimpleNamespace(inc=lambda: None)
     app.state.telemetry = SimpleNamespace(policy_reloads=counter, policy_reload_failures=counter)
     service.tiers = object()  # the first tiers are up

@@ -43,14 +43,14 @@ def test_a_reload_during_16_in_flight_requests_loses_none(
 ) -> None:
     """Bug: a request holding the old TierSet could submit to an engine ``_retire`` had already
     removed (its queue never stepped again: a 503 after the queue timeout)."""
-    import router.local
+    import router.backends.local
 
     srv, path, model = served
     old_engine = srv.engine("small")
     gate = threading.Event()
     lock = threading.Lock()
     engines: list[Any] = []
-    prepare = router.local.prepare_local
+    prepare = router.backends.local.prepare_local
 
     def held_prepare(backend: Any, gen: Any) -> Any:
         with lock:
@@ -60,7 +60,7 @@ def test_a_reload_during_16_in_flight_requests_loses_none(
             gate.wait(60)
         return prepare(backend, gen)
 
-    monkeypatch.setattr(router.local, "prepare_local", held_prepare)
+    monkeypatch.setattr(router.backends.local, "prepare_local", held_prepare)
     codes: list[int] = []
 
     def ask(i: int) -> None:
@@ -97,7 +97,7 @@ def test_a_revoked_key_is_refused_while_an_engine_rebuild_is_in_progress(
 ) -> None:
     """Bug: the keys file was re-read by the policy watcher's loop, between policy checks, so a
     revoked key stayed valid for as long as a policy edit's engines took to build."""
-    import router.reload
+    import router.http.reload
 
     keys = tmp_path / "keys"
     keys.write_text("sk-keep\nsk-revoke\n")
@@ -107,14 +107,14 @@ def test_a_revoked_key_is_refused_while_an_engine_rebuild_is_in_progress(
     srv, stop = start_server(path, reload_interval_s=0.1)
     building = threading.Event()
     release = threading.Event()
-    build = router.reload.build_tiers
+    build = router.http.reload.build_tiers
 
     def slow_build(*args: Any, **kwargs: Any) -> Any:
         building.set()
         release.wait(60)  # a large model's rebuild: minutes
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(router.reload, "build_tiers", slow_build)
+    monkeypatch.setattr(router.http.reload, "build_tiers", slow_build)
     body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
     def status(key: str) -> int:

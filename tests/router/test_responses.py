@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from router.calls import Generation
-from router.choices import Merged
+from router.openai.choices import Merged
+from router.openai.schemas import ChatCompletionRequest, ChatMessage
+from router.openai.writer import InFlight, ResponseWriter
+from router.pipeline.calls import Generation
 from router.policy.decide import Decision
-from router.responses import InFlight, ResponseWriter
-from router.schemas import ChatCompletionRequest, ChatMessage
 from router.telemetry import Telemetry
 from tiers.output import StepOutput
 

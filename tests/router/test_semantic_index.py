@@ -1,4 +1,4 @@
-"""The semantic cache's index (router/cache.py ``SemanticIndex``): one matrix per scope, searched
+"""The semantic cache's index (router/pipeline/cache.py ``SemanticIndex``): one matrix per scope, searched
 off the event loop. Issue 37: the lookup used to scan every entry of every scope on the loop
 (~11 ms at 10,000 entries). Checked against a brute-force reference over random operations."""
 
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.cache import SemanticIndex
+from router.pipeline.cache import SemanticIndex
 
 DIM = 8
 

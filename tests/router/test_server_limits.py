@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.server import ServerLimits, uvicorn_config
+from router.http.server import ServerLimits, uvicorn_config
 from tests.router.conftest import free_port
 
 

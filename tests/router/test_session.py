@@ -1,11 +1,11 @@
-"""Session-aware routing (router/session.py): memory, keys, and a conversation through HTTP."""
+"""Session-aware routing (router/pipeline/session.py): memory, keys, and a conversation through HTTP."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from router.session import SESSION_HEADER, SessionMemory, prior_key, record_key
+from router.pipeline.session import SESSION_HEADER, SessionMemory, prior_key, record_key
 from tests.router.conftest import Server
 
 U1 = {"role": "user", "content": "Prove that there are infinitely many primes of the form 4k+3."}

@@ -1,4 +1,4 @@
-"""Shadow answers and feedback (router/shadow.py, router/feedback.py), end to end on tiny models."""
+"""Shadow answers and feedback (router/pipeline/shadow.py, feedback.py), end to end on tiny models."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from classifier.outcomes import load_outcomes
+from router.pipeline.shadow import ShadowRecorder
 from router.policy.loader import parse_policy
-from router.shadow import ShadowRecorder
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, start_server
 

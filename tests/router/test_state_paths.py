@@ -48,7 +48,7 @@ def test_the_feedback_log_writes_where_its_default_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """End to end through the writer: nothing lands in the working directory."""
-    from router.shadow import _JsonlWriter
+    from router.pipeline.shadow import _JsonlWriter
 
     monkeypatch.setenv("TIERED_ROUTER_STATE_DIR", str(tmp_path / "state"))
     cwd = tmp_path / "cwd"

@@ -1,5 +1,5 @@
-"""router/tools.py, router/structured.py, router/logprobs.py and router/choices.py without a
-server: the generic tool template, the call grammar, parsing and streaming of calls, strict
+"""router/openai/tools.py, structured.py, logprobs.py and choices.py without a server:
+the generic tool template, the call grammar, parsing and streaming of calls, strict
 schemas, logprobs objects, and choice assembly from remote deltas."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from router.choices import ChoiceBuilder, Merged
 from router.errors import BadRequestError
-from router.json_schema import check_strict_schema, close_objects
-from router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from router.schemas import ChatCompletionRequest, ChatMessage, validate_chat
-from router.structured import OutputSpec, output_spec
-from router.tools import (
+from router.openai.choices import ChoiceBuilder, Merged
+from router.openai.json_schema import check_strict_schema, close_objects
+from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from router.openai.schemas import ChatCompletionRequest, ChatMessage, validate_chat
+from router.openai.structured import OutputSpec, output_spec
+from router.openai.tools import (
     ToolCallStreamer,
     ToolChoice,
     parse_tool_calls,
@@ -260,7 +260,7 @@ def test_strict_schema_rules() -> None:
     with pytest.raises(BadRequestError, match="Missing 'c'") as info:
         check_strict_schema(partial, "x")
     assert info.value.param == "response_format.json_schema.schema"
-    from router.schemas import JsonSchemaFormat, ResponseFormat
+    from router.openai.schemas import JsonSchemaFormat, ResponseFormat
 
     req = _chat(
         response_format=ResponseFormat(
@@ -286,7 +286,7 @@ def test_close_objects_keeps_property_names() -> None:
 
 
 def test_output_spec_shapes() -> None:
-    from router.schemas import ResponseFormat
+    from router.openai.schemas import ResponseFormat
 
     plain = output_spec(_chat())
     assert plain.is_plain and plain.grammar is None and plain.response_format == "text"
@@ -372,8 +372,8 @@ async def test_merged_interleaves_local_choices() -> None:
 def test_native_tool_template_is_used_when_the_model_has_one(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from router.structured import native_prompt_ids
-    from router.tools import native_tool_template
+    from router.openai.structured import native_prompt_ids
+    from router.openai.tools import native_tool_template
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert not native_tool_template(tok)  # the tiny template (like SmolLM2's) has no tool support

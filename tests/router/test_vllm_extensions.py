@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.schemas import VLLM_EXTENSIONS
+from router.openai.schemas import VLLM_EXTENSIONS
 from tests.router.conftest import Server
 
 PROMPT = [{"role": "user", "content": "Write a haiku about the sea."}]

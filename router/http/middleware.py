@@ -3,7 +3,7 @@ server span and ``Server-Timing``.
 
 Paths fall in three groups:
 - public: ``/healthz`` (alias ``/health``) and ``/readyz`` (probes; they say nothing about internals);
-- operator: ``/metrics``, ``/dashboard``, ``/schema``, ``/admin/...`` (router/admin.py). With a
+- operator: ``/metrics``, ``/dashboard``, ``/schema``, ``/admin/...`` (router/http/admin.py). With a
   separate admin listener (``serve``'s default) they exist only there, unauthenticated, and the
   API port answers 404; without one they need an API key like everything else;
 - the API: everything else, behind the policy's auth mode.
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from litestar import Litestar
     from litestar.datastructures import State
 
-    from router.auth import Authenticator
+    from router.http.auth import Authenticator
     from router.telemetry import Telemetry
 
 __all__ = ["LISTENER_KEY", "MAX_HEADER_BYTES", "admin_listener", "is_operator_path", "router_middleware"]

@@ -38,7 +38,7 @@ from router.errors import BadRequestError, OverloadedError, RouterError, Unavail
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from router.backends import TierSet
+    from router.backends.tierset import TierSet
     from router.policy.decide import Decision
     from router.policy.schema import Policy
 

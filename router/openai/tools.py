@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from router.errors import BadRequestError
-from router.json_schema import close_objects
+from router.openai.json_schema import close_objects
 from tiers.grammar import GrammarSpec, json_options
 
 __all__ = [

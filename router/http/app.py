@@ -1,5 +1,5 @@
-"""The litestar app: ``create_app`` wires routes (``router.routes``), the middleware
-(``router.middleware``) and the lifespan (``router.lifespan``).
+"""The litestar app: ``create_app`` wires routes (``router.http.routes``), the middleware
+(``router.http.middleware``) and the lifespan (``router.http.lifespan``).
 
 ``create_app`` validates the policy and the API keys it configures before anything starts: a
 broken policy, or ``auth.mode: keys`` with no key loadable, raises ``PolicyError`` (``serve`` exits
@@ -15,15 +15,15 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
-from router.admin import ADMIN_ROUTES
-from router.anthropic_messages import MESSAGES_ROUTES
-from router.auth import Authenticator
-from router.backends import TierSet
-from router.lifespan import make_lifespan
-from router.middleware import admin_listener, router_middleware
-from router.openai_responses import RESPONSES_ROUTES, ResponseStore
+from router.backends.tierset import TierSet
+from router.http.admin import ADMIN_ROUTES
+from router.http.auth import Authenticator
+from router.http.lifespan import make_lifespan
+from router.http.messages_api import MESSAGES_ROUTES
+from router.http.middleware import admin_listener, router_middleware
+from router.http.responses_api import RESPONSES_ROUTES, ResponseStore
+from router.http.routes import ROUTES, error_response
 from router.policy.loader import load_policy
-from router.routes import ROUTES, error_response
 
 __all__ = ["admin_listener", "create_app"]
 

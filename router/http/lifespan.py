@@ -14,9 +14,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.backends import TierSet, build_tiers
-from router.reload import PolicyWatcher
-from router.service import RouterService
+from router.backends.tierset import TierSet, build_tiers
+from router.http.reload import PolicyWatcher
+from router.pipeline.service import RouterService
 from router.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def make_lifespan(
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncGenerator[None, None]:
         from classifier import ComplexityClassifier
-        from router.cache import build_cache
+        from router.pipeline.cache import build_cache
         from tiers.device import DeviceWorker
 
         state = app.state

@@ -26,14 +26,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.auth import Authenticator
-from router.backends import LocalTier, build_tiers, engine_key
+from router.backends.tierset import LocalTier, build_tiers, engine_key
 from router.errors import PolicyError
+from router.http.auth import Authenticator
 from router.policy.loader import parse_policy
 
 if TYPE_CHECKING:
+    from router.pipeline.service import RouterService
     from router.policy.schema import Policy
-    from router.service import RouterService
 
 __all__ = ["PolicyWatcher", "apply_policy"]
 
@@ -64,7 +64,7 @@ async def apply_policy(app: Any, new: Policy) -> None:
     auth = Authenticator.from_policy(new)  # first: a keys mode without keys must not swap anything
     cache = service.cache
     if new.service.cache != old_policy.service.cache:
-        from router.cache import build_cache
+        from router.pipeline.cache import build_cache
 
         cache = await asyncio.to_thread(build_cache, new, state.telemetry)
     classifier = service.classifier

@@ -1,7 +1,7 @@
 """The HTTP routes and the mapping of every exception to an OpenAI-shaped error body.
 
 Handlers only parse, call ``RouterService`` and turn its ``Completion`` into a response; the
-middleware (``router.middleware``) has already authenticated the caller.
+middleware (``router.http.middleware``) has already authenticated the caller.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import api_types
-from router.auth import Caller
-from router.calls import CallContext, Completion
-from router.dashboard import DASHBOARD_HTML, dashboard_data
 from router.errors import AuthError, BadRequestError, ModelNotFoundError, PayloadTooLargeError, RouterError
-from router.feedback import feedback
-from router.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, content_text
-from router.service import RouterService
+from router.http.auth import Caller
+from router.http.dashboard import DASHBOARD_HTML, dashboard_data
+from router.openai import api_types
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, content_text
+from router.pipeline.calls import CallContext, Completion
+from router.pipeline.feedback import feedback
+from router.pipeline.service import RouterService
 from router.telemetry import Telemetry
 
 __all__ = ["ROUTES", "error_response"]
@@ -56,7 +56,7 @@ def _service(request: Request[Any, Any, Any]) -> RouterService:
 def _context(request: Request[Any, Any, Any]) -> CallContext:
     headers = {k.lower(): v for k, v in request.headers.items()}
     state = request.scope.get("state", {})
-    # The tenant is the authenticated caller's (router.middleware): never the raw x-tenant header.
+    # The tenant is the authenticated caller's (router.http.middleware): never the raw x-tenant header.
     caller: Caller | None = state.get("caller")
     cache_control = headers.get("cache-control", "").lower()
     return CallContext(
@@ -241,7 +241,7 @@ def _validation_param(exc: ValidationException) -> tuple[str | None, str]:
             message = str(item.get("message", exc.detail))
             m = _BACKTICK.search(message)
             if m and "unknown field" in message:
-                # The unknown-field policy (router/schemas.py): OpenAI's own message and param.
+                # The unknown-field policy (router/openai/schemas.py): OpenAI's own message and param.
                 name = m.group(1) if key == "data" else f"{key}.{m.group(1)}"
                 return name, f"Unrecognized request argument supplied: {name}"
             if key == "data":  # "Object missing required field `model`"

@@ -33,8 +33,6 @@ from litestar import Request, Response, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
-from router import api_types
-from router.calls import Completion
 from router.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -42,9 +40,11 @@ from router.errors import (
     UnavailableError,
     anthropic_error_body,
 )
-from router.openai_responses import chat_chunks
-from router.routes import _ERRORS, _context, _respond, _service, error_response
-from router.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
+from router.http.responses_api import chat_chunks
+from router.http.routes import _ERRORS, _context, _respond, _service, error_response
+from router.openai import api_types
+from router.openai.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
+from router.pipeline.calls import Completion
 
 __all__ = ["MESSAGES_ROUTES", "MessagesRequest", "anthropic_error_response", "to_chat"]
 
@@ -555,8 +555,8 @@ async def create_message(request: Request[Any, Any, Any], req: MessagesRequest) 
 def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> int:
     """Prompt tokens of the request as the first local tier's chat template renders it (tools
     included, as generation renders them)."""
-    from router.structured import chat_messages as rendered
-    from router.structured import output_spec
+    from router.openai.structured import chat_messages as rendered
+    from router.openai.structured import output_spec
 
     _validate(req)
     tiers = _service(request).tiers
@@ -589,7 +589,7 @@ def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> in
 # -- errors ---------------------------------------------------------------------------------------
 def anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     """Any error on the Messages routes in Anthropic's shape (the status and headers are those the
-    OpenAI routes give: ``router.routes.error_response`` decides them)."""
+    OpenAI routes give: ``router.http.routes.error_response`` decides them)."""
     openai_shaped = error_response(request, exc)
     error = openai_shaped.content["error"]
     status = openai_shaped.status_code or 500

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError
-from router.schemas import ChatCompletionRequest
+from router.openai.schemas import ChatCompletionRequest
 
 if TYPE_CHECKING:
+    from router.openai.schemas import CompletionRequest
     from router.policy.schema import LimitsConfig
-    from router.schemas import CompletionRequest
 
 __all__ = ["check_limits", "schema_size"]
 

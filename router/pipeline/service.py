@@ -2,7 +2,7 @@
 or collect.
 
 ``RouterService`` holds the live state (policy, tiers, classifier, cache, telemetry); the HTTP
-layer (``router.app``) only parses, authenticates and turns results into responses.
+layer (``router.http.app``) only parses, authenticates and turns results into responses.
 """
 
 from __future__ import annotations
@@ -14,15 +14,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from router.admission import FairShare, client_deadline_s, rejection, tier_pressures
-from router.backends import RemoteBackend, TierSet
-from router.calls import CachedAnswer, CallContext, Completion, Generation, Routed
+from router.backends.local import local_stream, prepare_local_async, submit_local, system_fingerprint
+from router.backends.tierset import RemoteBackend, TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
-from router.limits import check_limits
-from router.local import local_stream, prepare_local_async, submit_local, system_fingerprint
-from router.policy.decide import Decision, RouteRequest, decide
-from router.responses import RETRY_AFTER_S, InFlight, ResponseWriter, remote_error
-from router.schemas import (
+from router.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_id,
@@ -30,16 +25,21 @@ from router.schemas import (
     validate_chat,
     validate_completion,
 )
-from router.session import SessionMemory, prior_key, record_key
-from router.shadow import FeedbackLog, ShadowRecorder, shadow_row
-from router.sse import replay
-from router.structured import chat_messages, output_spec
+from router.openai.sse import replay
+from router.openai.structured import chat_messages, output_spec
+from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, remote_error
+from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
+from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation, Routed
+from router.pipeline.limits import check_limits
+from router.pipeline.session import SessionMemory, prior_key, record_key
+from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
+from router.policy.decide import Decision, RouteRequest, decide
 from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
 if TYPE_CHECKING:
     from classifier import ComplexityClassifier
-    from router.cache import CacheKey, ResponseCache
+    from router.pipeline.cache import CacheKey, ResponseCache
     from router.policy.schema import Policy
     from router.telemetry import Telemetry
 
@@ -47,7 +47,7 @@ __all__ = ["CallContext", "Completion", "RouterService"]
 
 log = logging.getLogger(__name__)
 
-_Gen = Generation  # the name before request types moved to router.calls
+_Gen = Generation  # the name before request types moved to router.pipeline.calls
 
 
 class TenantLimiter:
@@ -92,7 +92,7 @@ class RouterService:
         self._in_flight = InFlight()
         self.writer = ResponseWriter(telemetry, self._in_flight)
         self._sessions: SessionMemory | None = None
-        # Shadow answers and feedback (router/shadow.py): the outcome-collection loop.
+        # Shadow answers and feedback (router/pipeline/shadow.py): the outcome-collection loop.
         self.shadow = ShadowRecorder(getattr(telemetry, "registry", None))
         self._feedback: FeedbackLog | None = None
 
@@ -114,7 +114,7 @@ class RouterService:
         return self._feedback
 
     def sessions(self, policy: Policy) -> SessionMemory | None:
-        """The conversation -> tier memory (router/session.py); rebuilt when a reload resizes it."""
+        """The conversation -> tier memory (router/pipeline/session.py); rebuilt when a reload resizes it."""
         cfg = policy.routing.sessions
         if not cfg.enabled:
             return None
@@ -287,7 +287,7 @@ class RouterService:
         if not req.messages:
             raise BadRequestError("'messages' must contain at least one message.", param="messages")
         spec = output_spec(req)
-        # Tools, tool calls and tool results as plain messages (router/tools.py's generic template).
+        # Tools, tool calls and tool results as plain messages (router/openai/tools.py's generic template).
         messages = chat_messages(req, spec)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         gen = Generation(
@@ -400,7 +400,7 @@ class RouterService:
         policy = routed.policy or self.policy
         sessions = self.sessions(policy)
         if sessions is not None and not d.rejected:
-            # What the next turn of this conversation will look up (router/session.py).
+            # What the next turn of this conversation will look up (router/pipeline/session.py).
             sessions.put(record_key(gen.messages, ctx.headers, ctx.partition), d.tier)
         headers = {
             "x-router-tier": d.tier,
@@ -432,7 +432,7 @@ class RouterService:
             self.fair.note(d.tier, ctx.principal)  # a refused caller still claims its share
             raise rejection(d, routed.pressures)
         source, prompt_tokens_hint = await self._submit(tiers, d.tier, gen, routed.prompt_tokens, policy)
-        # Counted against the caller's share of the tier until the answer ends (router.admission).
+        # Counted against the caller's share of the tier until the answer ends (router.pipeline.admission).
         spec = gen.output
         weight = max(spec.n, spec.best_of) if spec is not None else 1
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0], weight)

@@ -34,11 +34,11 @@ from litestar import Request, Response, delete, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
-from router import api_types
-from router.calls import Completion
 from router.errors import BadRequestError, ModelNotFoundError, RouterError
-from router.routes import _ERRORS, _context, _respond, _service
-from router.schemas import ChatCompletionRequest
+from router.http.routes import _ERRORS, _context, _respond, _service
+from router.openai import api_types
+from router.openai.schemas import ChatCompletionRequest
+from router.pipeline.calls import Completion
 
 __all__ = ["MAX_STORED", "RESPONSES_ROUTES", "STORE_TTL_S", "ResponseStore", "ResponsesRequest"]
 

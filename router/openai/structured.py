@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.json_schema import check_strict_schema, close_objects
-from router.logprobs import TokenTexts
-from router.schemas import ChatCompletionRequest, CompletionRequest, content_text
-from router.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_grammar
+from router.openai.json_schema import check_strict_schema, close_objects
+from router.openai.logprobs import TokenTexts
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, content_text
+from router.openai.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_grammar
 from tiers.grammar import GrammarSpec
 
 __all__ = ["OutputSpec", "output_spec"]
@@ -121,9 +121,9 @@ def _raw_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 def chat_messages(req: ChatCompletionRequest, spec: OutputSpec) -> list[dict[str, str]]:
     """The conversation as plain ``{"role", "content"}`` messages (the generic tool template of
-    ``router/tools.py``): what the classifier scores, the cache keys and templates without tool
+    ``router/openai/tools.py``): what the classifier scores, the cache keys and templates without tool
     support render. Tools are left out under ``tool_choice: none``."""
-    from router.tools import render_messages
+    from router.openai.tools import render_messages
 
     tools = spec.tools if spec.tool_choice.mode != "none" else []
     return render_messages(_raw_messages(req), tools)
@@ -134,7 +134,7 @@ def native_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, spec: OutputSp
     the generic rendering applies (no tools, or a template without tool support)."""
     from collections.abc import Mapping
 
-    from router.tools import native_tool_template
+    from router.openai.tools import native_tool_template
 
     if not spec.parses_tool_calls and not any(m.tool_calls or m.role == "tool" for m in req.messages):
         return None

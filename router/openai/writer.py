@@ -14,16 +14,16 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from router.choices import ChoiceBuilder, Merged, aggregate
 from router.errors import RouterError, UnavailableError
-from router.schemas import completion_id, now, usage_body
-from router.sse import SSEStream, completion_body, object_name, sse_event
-from router.structured import OutputSpec
+from router.openai.choices import ChoiceBuilder, Merged, aggregate
+from router.openai.schemas import completion_id, now, usage_body
+from router.openai.sse import SSEStream, completion_body, object_name, sse_event
+from router.openai.structured import OutputSpec
 from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
 if TYPE_CHECKING:
-    from router.calls import Generation, Routed
+    from router.pipeline.calls import Generation, Routed
     from router.policy.decide import Decision
     from router.telemetry import Telemetry
 

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
-from router.structured import OutputSpec
-from router.tools import ToolCallStreamer, parse_tool_calls
+from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
+from router.openai.structured import OutputSpec
+from router.openai.tools import ToolCallStreamer, parse_tool_calls
 from tiers.output import StepOutput
 
 __all__ = ["ChoiceBuilder", "Merged", "aggregate"]

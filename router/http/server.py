@@ -5,7 +5,7 @@ uvicorn bounds idle keep-alive connections and total concurrency (``limit_concur
 how long a client may take to send its request head, so a slow-loris client could hold
 connections open indefinitely by trickling header bytes. ``GuardedHttpToolsProtocol`` adds that:
 a request head must arrive within ``header_timeout_s`` (else 408 and close). Body read time is
-bounded in ``router.middleware`` (408 between chunks).
+bounded in ``router.http.middleware`` (408 between chunks).
 
 Optionally one client may hold at most ``max_connections_per_client`` connections (off by
 default: behind an ingress or a Kubernetes Service every connection comes from the proxy's

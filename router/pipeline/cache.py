@@ -7,7 +7,7 @@
   name (the decision already says which model answers), partitioned by the caller
   (``CallContext.partition``: its tenant, else its key's fingerprint: two keys without a tenant
   never see each other's answers).
-- Semantic: an embedding of the final user message (all-MiniLM-L6-v2, see ``router.embedder``)
+- Semantic: an embedding of the final user message (all-MiniLM-L6-v2, see ``router.pipeline.embedder``)
   compared by cosine similarity only inside the same scope: same partition, tier, request shape and
   every earlier message. A conversation whose last message is not the user's (a tool result, an
   assistant prefill) never matches semantically, and neither does a prompt longer than the
@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from router.calls import CachedAnswer
-from router.embedder import MAX_TOKENS
+from router.pipeline.calls import CachedAnswer
+from router.pipeline.embedder import MAX_TOKENS
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from router.calls import CallContext, Generation
-    from router.embedder import Embedder
+    from router.pipeline.calls import CallContext, Generation
+    from router.pipeline.embedder import Embedder
     from router.policy.decide import Decision
     from router.policy.schema import CacheConfig, Policy, TierConfig
     from router.telemetry import Telemetry
@@ -278,7 +278,7 @@ class CacheKey:
 
 def tier_identity(name: str, cfg: TierConfig) -> list[Any]:
     """The tier's answer-changing configuration: a policy edit to any of it starts fresh entries."""
-    from router.backends import engine_key
+    from router.backends.tierset import engine_key
 
     defaults = cfg.defaults
     return [name, list(engine_key(cfg)), defaults.max_tokens, defaults.temperature, defaults.top_p]
@@ -419,7 +419,7 @@ def build_cache(policy: Policy, telemetry: Telemetry | None = None) -> ResponseC
         store = MemoryStore(cfg.max_entries)
     embedder = None
     if cfg.semantic.enabled:
-        from router.embedder import Embedder
+        from router.pipeline.embedder import Embedder
 
         embedder = Embedder.load()
     return ResponseCache(cfg, store, embedder, telemetry)

@@ -1,4 +1,4 @@
-"""``POST /v1/feedback``: a score for an answer this service issued (router/shadow.py logs it)."""
+"""``POST /v1/feedback``: a score for an answer this service issued (router/pipeline/shadow.py logs it)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import msgspec
 from litestar import Request, post
 from litestar.status_codes import HTTP_200_OK
 
-from router.calls import CallContext
 from router.errors import BadRequestError, RouterError
-from router.shadow import MAX_SCORES_PER_ID, FeedbackConflictError, thumbs_score
+from router.pipeline.calls import CallContext
+from router.pipeline.shadow import MAX_SCORES_PER_ID, FeedbackConflictError, thumbs_score
 
 __all__ = ["ConflictError", "FeedbackBody", "NotFoundError", "feedback"]
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from classifier import ComplexityScore
-    from router.admission import TierPressure
+    from router.openai.schemas import ChatCompletionRequest, CompletionRequest
+    from router.openai.structured import OutputSpec
+    from router.pipeline.admission import TierPressure
     from router.policy.decide import Decision
     from router.policy.schema import Policy
-    from router.schemas import ChatCompletionRequest, CompletionRequest
-    from router.structured import OutputSpec
 
 __all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed"]
 
@@ -54,7 +54,7 @@ class Routed:
     policy: Policy | None = None
     """The policy snapshot the decision was taken under (a reload may swap the live one)."""
     pressures: dict[str, TierPressure] = field(default_factory=dict)
-    """Each tier's admission state when the decision was taken (``router.admission``)."""
+    """Each tier's admission state when the decision was taken (``router.pipeline.admission``)."""
     deadline_s: float | None = None
     """The client's deadline (``x-request-timeout``), if it sent one."""
 
@@ -81,7 +81,7 @@ class Generation:
     last_user: str = ""
     ctx: CallContext | None = None
     output: OutputSpec | None = None
-    """What the output must be beyond text (format, tools, logprobs, n); see router/structured.py."""
+    """What the output must be beyond text (format, tools, logprobs, n); see router/openai/structured.py."""
 
 
 _Gen = Generation  # the name other modules used before the split

@@ -13,12 +13,12 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from router.backends import LocalTier
-from router.calls import Generation
+from router.backends.tierset import LocalTier
 from router.errors import BadRequestError, OverloadedError
-from router.responses import RETRY_AFTER_S
-from router.schemas import ChatCompletionRequest, stop_list
-from router.structured import native_prompt_ids
+from router.openai.schemas import ChatCompletionRequest, stop_list
+from router.openai.structured import native_prompt_ids
+from router.openai.writer import RETRY_AFTER_S
+from router.pipeline.calls import Generation
 from tiers.engine import EngineFullError
 from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
@@ -131,7 +131,7 @@ def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[
     """Tokenize (the tier's chat template, or the structured-output spec's native prompt) and
     build each choice's sampling parameters (grammar matchers included). Work that grows with the
     request (a 1 MB prompt, a large schema): ``local_stream_async`` runs it off the event loop."""
-    from router.logprobs import token_texts
+    from router.openai.logprobs import token_texts
 
     spec = gen.output
     try:

@@ -292,7 +292,7 @@ def build_tiers(
                 )
             )
         ):
-            # Taken over as it is; its cfg is swapped with the policy (router.reload), not here:
+            # Taken over as it is; its cfg is swapped with the policy (router.http.reload), not here:
             # a build that fails later must leave the serving tiers untouched.
             backends[name] = old
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.service import RouterService
+    from router.pipeline.service import RouterService
     from router.telemetry import Telemetry
 
 __all__ = ["DASHBOARD_HTML", "dashboard_data"]

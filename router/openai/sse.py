@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from router.schemas import completion_id, now
+from router.openai.schemas import completion_id, now
 
 __all__ = ["DONE", "SSEStream", "chunk", "completion_body", "object_name", "replay", "sse_event"]
 
