@@ -1,29 +1,34 @@
-"""A request for an in-process tier: its prompt ids, one ``SamplingParams`` per choice (each
-with its own grammar matcher and seed), and the submission to the tier's engine, with the
-engine's refusals turned into OpenAI-shaped errors."""
+"""A tier served in-process by an ``Engine`` (``LocalTier``, a ``Backend``), and a request for
+it: its prompt ids, one ``SamplingParams`` per choice (each with its own grammar matcher and
+seed), and the submission to the tier's engine, with the engine's refusals turned into
+OpenAI-shaped errors."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from router.backends.tierset import LocalTier
+from router.backends.base import Prepared, engine_key
 from router.errors import BadRequestError, OverloadedError
 from router.openai.schemas import ChatCompletionRequest, stop_list
 from router.openai.structured import native_prompt_ids
 from router.openai.writer import RETRY_AFTER_S
 from router.pipeline.calls import Generation
-from tiers.engine import EngineFullError
+from tiers.engine import Engine, EngineFullError, EngineLoad
 from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
 
+if TYPE_CHECKING:
+    from router.policy.schema import TierConfig
+
 __all__ = [
+    "LocalTier",
     "choice_params",
     "local_stream",
     "prepare_local",
@@ -32,6 +37,80 @@ __all__ = [
     "submit_local",
     "system_fingerprint",
 ]
+
+
+class LocalTier:
+    """A tier served in-process by an ``Engine``."""
+
+    is_remote = False
+
+    def __init__(self, name: str, cfg: TierConfig, engine: Engine, draft_of: str | None) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.draft_tier = draft_of
+        self.key = engine_key(cfg)
+        self.retired = False
+        """Set by a reload that replaced this tier: nothing new may be submitted to it."""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_model_len
+
+    def is_full(self) -> bool:
+        return self.engine.load().is_full
+
+    def prompt_ids(self, kind: str, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
+        if kind == "chat":
+            assert messages is not None
+            if getattr(self.tokenizer, "chat_template", None):
+                out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = out["input_ids"] if isinstance(out, Mapping) else out
+                return list(ids)
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            return list(self.tokenizer.encode(text))
+        assert prompt is not None
+        return list(self.tokenizer.encode(prompt)) or [self.tokenizer.eos_token_id or 0]
+
+    def clamp_max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
+        """OpenAI semantics: a prompt that cannot fit is a 400; ``max_tokens`` is clamped to the room left."""
+        room = self.max_model_len - num_prompt
+        if room < 1:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"is {num_prompt} tokens (tier '{self.name}').",
+                param="messages" if param == "max_completion_tokens" else "prompt",
+                code="context_length_exceeded",
+            )
+        wanted = requested if requested is not None else self.cfg.defaults.max_tokens
+        return max(1, min(wanted, room))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        handle = self.engine.submit(prompt_ids, params)
+        async for out in handle:
+            yield out
+
+    # -- the Backend protocol --------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        return self.engine.load()
+
+    def shadow_load(self) -> EngineLoad:
+        return self.engine.load()
+
+    async def prepare(self, gen: Generation, prompt_tokens: int, *, grammar_timeout_s: float) -> Prepared:
+        ids, params = await prepare_local_async(self, gen, grammar_timeout_s=grammar_timeout_s)
+        return Prepared((ids, params), len(ids))
+
+    def submit(self, gen: Generation, prepared: Prepared) -> list[AsyncIterator[StepOutput]]:
+        ids, params = prepared.payload
+        return submit_local(self, gen, ids, params)
+
+    def stream(self, gen: Generation) -> AsyncIterator[StepOutput]:
+        return local_stream(self, gen)[0][0]
+
+    async def aclose(self) -> None:
+        """The engine belongs to the tier set's device worker, which stops it."""
 
 
 def system_fingerprint(tier: str, key: Any) -> str:

@@ -10,124 +10,27 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.errors import BadRequestError, PolicyError, PolicyIssue
+from router.backends.base import Backend, engine_key, model_key
+from router.backends.local import LocalTier
+from router.backends.remote import RemoteBackend
+from router.errors import PolicyError, PolicyIssue
 from router.policy.schema import NGRAM
 from tiers.engine import Engine, EngineObserver
-from tiers.output import StepOutput
 from tiers.pacing import RoutingCost, routing_cost
 from tiers.remote import RemoteTier
-from tiers.sequence import SamplingParams
 
 if TYPE_CHECKING:
     from router.policy.schema import Policy, TierConfig
     from tiers.device import DeviceWorker
     from tiers.loading import LoadedModel
 
-__all__ = ["LocalTier", "TierSet", "build_tiers", "engine_key"]
+__all__ = ["TierSet", "build_tiers"]
 
 log = logging.getLogger(__name__)
-
-
-def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
-    """Everything that needs a new engine when it changes (routing-only edits reuse the engine):
-    the loaded model's key, then the engine's own settings."""
-    return (
-        *_model_key(cfg),
-        cfg.max_num_seqs,
-        cfg.max_queue,
-        cfg.max_model_len,
-        cfg.max_num_batched_tokens,
-        cfg.draft,
-        cfg.speculative_tokens,
-        cfg.kv_cache_memory,
-        cfg.kv_cache_tokens,
-        cfg.block_size,
-        cfg.prefix_caching,
-        cfg.served_model_name,
-        cfg.api_key_env,
-        cfg.timeout_s,
-        cfg.max_retries,
-        cfg.circuit_failures,
-        cfg.circuit_cooldown_s,
-    )
-
-
-class LocalTier:
-    """A tier served in-process by an ``Engine``."""
-
-    is_remote = False
-
-    def __init__(self, name: str, cfg: TierConfig, engine: Engine, draft_of: str | None) -> None:
-        self.name = name
-        self.cfg = cfg
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.draft_tier = draft_of
-        self.key = engine_key(cfg)
-        self.retired = False
-        """Set by a reload that replaced this tier: nothing new may be submitted to it."""
-
-    @property
-    def max_model_len(self) -> int:
-        return self.cfg.max_model_len
-
-    def is_full(self) -> bool:
-        return self.engine.load().is_full
-
-    def prompt_ids(self, kind: str, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
-        if kind == "chat":
-            assert messages is not None
-            if getattr(self.tokenizer, "chat_template", None):
-                out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                ids = out["input_ids"] if isinstance(out, Mapping) else out
-                return list(ids)
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-            return list(self.tokenizer.encode(text))
-        assert prompt is not None
-        return list(self.tokenizer.encode(prompt)) or [self.tokenizer.eos_token_id or 0]
-
-    def clamp_max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
-        """OpenAI semantics: a prompt that cannot fit is a 400; ``max_tokens`` is clamped to the room left."""
-        room = self.max_model_len - num_prompt
-        if room < 1:
-            raise BadRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"is {num_prompt} tokens (tier '{self.name}').",
-                param="messages" if param == "max_completion_tokens" else "prompt",
-                code="context_length_exceeded",
-            )
-        wanted = requested if requested is not None else self.cfg.defaults.max_tokens
-        return max(1, min(wanted, room))
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
-        handle = self.engine.submit(prompt_ids, params)
-        async for out in handle:
-            yield out
-
-
-class RemoteBackend:
-    """A tier served by an OpenAI-compatible URL."""
-
-    is_remote = True
-
-    def __init__(self, name: str, cfg: TierConfig, client: RemoteTier) -> None:
-        self.name = name
-        self.cfg = cfg
-        self.client = client
-        self.key = engine_key(cfg)
-        self.draft_tier = None
-        self.retired = False
-        """Set by a reload that replaced this tier: nothing new may be sent through it."""
-
-    def is_full(self) -> bool:
-        return self.client.load().is_full
-
-
-Backend = LocalTier | RemoteBackend
 
 
 @dataclass
@@ -185,21 +88,7 @@ class TierSet:
 
     async def aclose(self) -> None:
         for b in self.tiers.values():
-            if isinstance(b, RemoteBackend):
-                await b.client.aclose()
-
-
-def _model_key(cfg: TierConfig) -> tuple[Any, ...]:
-    """What makes a loaded model: tiers with the same key share one."""
-    return (
-        cfg.model,
-        cfg.dtype,
-        cfg.quantization,
-        cfg.quant_group_size,
-        cfg.quantize_head,
-        cfg.activation_quantization,
-        cfg.device,
-    )
+            await b.aclose()
 
 
 def _check_draft_compatible(
@@ -249,7 +138,7 @@ def build_tiers(
     for cfg in policy.tiers.values():
         if cfg.is_remote:
             continue
-        key = _model_key(cfg)
+        key = model_key(cfg)
         if key in models:
             continue
         if key in old_models:
@@ -311,11 +200,11 @@ def build_tiers(
             )
             backends[name] = RemoteBackend(name, cfg, client)
             continue
-        loaded = models[_model_key(cfg)]
+        loaded = models[model_key(cfg)]
         if cfg.draft not in (None, NGRAM):
             assert cfg.draft is not None
             _check_draft_compatible(
-                policy.source, name, cfg.draft, loaded, models[_model_key(policy.tiers[cfg.draft])]
+                policy.source, name, cfg.draft, loaded, models[model_key(policy.tiers[cfg.draft])]
             )
         to_build.append(name)
     # Pools first (one per local tier), then engines: a tier's draft runs on the pool and model of
@@ -327,7 +216,7 @@ def build_tiers(
         cfg = policy.tiers[name]
 
         def make_runner(cfg: TierConfig = cfg) -> ModelRunner:
-            loaded = models[_model_key(cfg)]
+            loaded = models[model_key(cfg)]
             per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
             tokens = kv_budget_tokens(cfg, per_token, device_memory(loaded.device))
             return ModelRunner(

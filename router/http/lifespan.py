@@ -75,10 +75,7 @@ def make_lifespan(
         service = RouterService(policy, clf, telemetry, tiers=None, cache=build_cache(policy, telemetry))
         state.service = service
         telemetry.watch_engines(
-            lambda: {
-                name: (b.engine.load() if hasattr(b, "engine") else b.client.load())
-                for name, b in (service.tiers.tiers.items() if service.tiers else [])
-            }
+            lambda: {name: b.load() for name, b in (service.tiers.tiers.items() if service.tiers else [])}
         )
         loader = None
         if tiers is not None:

@@ -26,7 +26,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.backends.tierset import LocalTier, build_tiers, engine_key
+from router.backends.base import engine_key
+from router.backends.local import LocalTier
+from router.backends.tierset import build_tiers
 from router.errors import PolicyError
 from router.http.auth import Authenticator
 from router.policy.loader import parse_policy

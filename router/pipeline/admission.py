@@ -30,10 +30,10 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError, OverloadedError, RouterError, UnavailableError
+from router.pipeline.calls import TierPressure
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -45,47 +45,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DEADLINE_HEADER",
     "FairShare",
-    "TierPressure",
     "client_deadline_s",
     "rejection",
     "tier_pressures",
 ]
 
 DEADLINE_HEADER = "x-request-timeout"
-
-
-@dataclass(frozen=True, slots=True)
-class TierPressure:
-    full: bool
-    """Queue at its ``max_queue``."""
-    wait_s: float
-    """Predicted wait for the first token of a request submitted now."""
-    budget_s: float
-    """The most this request may wait on this tier."""
-    circuit_open_s: float | None = None
-    """Remote tiers: seconds until the open circuit lets a trial through."""
-    over_share: bool = False
-    """The caller already holds its fair share of this tier."""
-    finish_s: float | None = None
-    """A non-streaming request with a deadline: its predicted wait plus ``max_tokens`` at the
-    tier's measured decode rate (None: not predicted)."""
-    deadline_s: float | None = None
-
-    @property
-    def misses_deadline(self) -> bool:
-        """The whole answer cannot arrive before the client gives up (a non-streaming request
-        sees nothing until the end, so generating it would only take capacity from others)."""
-        return self.finish_s is not None and self.deadline_s is not None and self.finish_s > self.deadline_s
-
-    @property
-    def refuses(self) -> bool:
-        return (
-            self.full
-            or self.over_share
-            or self.circuit_open_s is not None
-            or self.wait_s > self.budget_s
-            or self.misses_deadline
-        )
 
 
 class FairShare:
@@ -210,7 +175,7 @@ def tier_pressures(
         cfg = policy.tiers.get(name)
         if cfg is None:
             continue
-        load = backend.engine.load(predicted=False) if hasattr(backend, "engine") else backend.client.load()
+        load = backend.engine.load(predicted=False) if hasattr(backend, "engine") else backend.load()
         allowed = cfg.max_queue_wait_s * factor
         budget = allowed if deadline_s is None else min(allowed, deadline_s)
         wait = float(getattr(load, "predicted_wait_s", 0.0) or 0.0)

@@ -278,7 +278,7 @@ class CacheKey:
 
 def tier_identity(name: str, cfg: TierConfig) -> list[Any]:
     """The tier's answer-changing configuration: a policy edit to any of it starts fresh entries."""
-    from router.backends.tierset import engine_key
+    from router.backends.base import engine_key
 
     defaults = cfg.defaults
     return [name, list(engine_key(cfg)), defaults.max_tokens, defaults.temperature, defaults.top_p]

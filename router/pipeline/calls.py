@@ -13,11 +13,10 @@ if TYPE_CHECKING:
     from classifier import ComplexityScore
     from router.openai.schemas import ChatCompletionRequest, CompletionRequest
     from router.openai.structured import OutputSpec
-    from router.pipeline.admission import TierPressure
     from router.policy.decide import Decision
     from router.policy.schema import Policy
 
-__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed"]
+__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed", "TierPressure"]
 
 
 @dataclass(slots=True)
@@ -43,6 +42,42 @@ class CallContext:
         if self.tenant is not None:
             return "t:" + self.tenant
         return "k:" + self.principal if self.principal is not None else "-"
+
+
+@dataclass(frozen=True, slots=True)
+class TierPressure:
+    """One tier's admission state for one request (computed by ``router.pipeline.admission``)."""
+
+    full: bool
+    """Queue at its ``max_queue``."""
+    wait_s: float
+    """Predicted wait for the first token of a request submitted now."""
+    budget_s: float
+    """The most this request may wait on this tier."""
+    circuit_open_s: float | None = None
+    """Remote tiers: seconds until the open circuit lets a trial through."""
+    over_share: bool = False
+    """The caller already holds its fair share of this tier."""
+    finish_s: float | None = None
+    """A non-streaming request with a deadline: its predicted wait plus ``max_tokens`` at the
+    tier's measured decode rate (None: not predicted)."""
+    deadline_s: float | None = None
+
+    @property
+    def misses_deadline(self) -> bool:
+        """The whole answer cannot arrive before the client gives up (a non-streaming request
+        sees nothing until the end, so generating it would only take capacity from others)."""
+        return self.finish_s is not None and self.deadline_s is not None and self.finish_s > self.deadline_s
+
+    @property
+    def refuses(self) -> bool:
+        return (
+            self.full
+            or self.over_share
+            or self.circuit_open_s is not None
+            or self.wait_s > self.budget_s
+            or self.misses_deadline
+        )
 
 
 @dataclass(slots=True)

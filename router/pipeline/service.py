@@ -14,8 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from router.backends.local import local_stream, prepare_local_async, submit_local, system_fingerprint
-from router.backends.tierset import RemoteBackend, TierSet
+from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
 from router.openai.schemas import (
     ChatCompletionRequest,
@@ -27,7 +26,7 @@ from router.openai.schemas import (
 )
 from router.openai.sse import replay
 from router.openai.structured import chat_messages, output_spec
-from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, remote_error
+from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter
 from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
 from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation, Routed
 from router.pipeline.limits import check_limits
@@ -35,7 +34,6 @@ from router.pipeline.session import SessionMemory, prior_key, record_key
 from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.policy.decide import Decision, RouteRequest, decide
 from tiers.output import StepOutput
-from tiers.remote import RemoteError
 
 if TYPE_CHECKING:
     from classifier import ComplexityClassifier
@@ -481,15 +479,11 @@ class RouterService:
                 raise UnavailableError(
                     f"Tier '{tier}' is not loaded yet; retry shortly.", code="tier_loading", retry_after=5.0
                 )
-            if isinstance(backend, RemoteBackend):
-                if not backend.retired:
-                    return [self._remote_stream(backend, gen)], prompt_tokens
-            else:
-                ids, params = await prepare_local_async(
-                    backend, gen, grammar_timeout_s=policy.service.limits.grammar_timeout_s
-                )
-                if not backend.retired:  # no await from this check to the submission
-                    return submit_local(backend, gen, ids, params), len(ids)
+            prepared = await backend.prepare(
+                gen, prompt_tokens, grammar_timeout_s=policy.service.limits.grammar_timeout_s
+            )
+            if not backend.retired:  # no await from this check to the submission
+                return backend.submit(gen, prepared), prepared.num_prompt_tokens
             tiers = self._require_tiers()  # the set the reload swapped in
         raise UnavailableError(
             f"Tier '{tier}' is being reloaded; retry shortly.", code="tier_loading", retry_after=1.0
@@ -564,16 +558,10 @@ class RouterService:
             # are submitted, and the shadow reads only the first (the rest would run unaborted).
             output=dataclasses.replace(gen.output, n=1, best_of=1) if gen.output is not None else None,
         )
-        if isinstance(backend, RemoteBackend):
-            load = None
+        load = backend.shadow_load()
 
-            def stream() -> AsyncIterator[StepOutput]:
-                return self._remote_stream(backend, shadow_gen)
-        else:
-            load = backend.engine.load()
-
-            def stream() -> AsyncIterator[StepOutput]:
-                return local_stream(backend, shadow_gen)[0][0]
+        def stream() -> AsyncIterator[StepOutput]:
+            return backend.stream(shadow_gen)
 
         row = shadow_row(rid, gen, d, ctx.tenant, answer, record)
         self.shadow.launch(cfg, tier, load, stream, row, record)
@@ -590,20 +578,6 @@ class RouterService:
         if gen.stream:
             return Completion(headers, stream=replay(gen.kind, body, gen.include_usage))
         return Completion(headers, body=body)
-
-    def _remote_stream(self, backend: RemoteBackend, gen: Generation) -> AsyncIterator[StepOutput]:
-        if gen.output is not None:
-            gen.output.system_fingerprint = system_fingerprint(backend.name, backend.key)
-            # The upstream honours best_of itself and returns the n winners: nothing to rank here
-            # (and the ranking would need token logprobs it does not send).
-            gen.output.best_of = gen.output.n
-        # Every field is forwarded as the client sent it (tools, response_format, logprobs, n...):
-        # the upstream honours them, and its tool-call deltas and logprobs come back unchanged.
-        body = upstream_body(gen.request)
-        try:  # admission: the circuit's verdict and an in-flight slot, taken now (not at first read)
-            return backend.client.generate(gen.kind, body)
-        except RemoteError as exc:
-            raise remote_error(exc) from exc
 
     # -- draining ------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> bool:
@@ -657,22 +631,3 @@ def _expected_output(
     else the tier's default ``max_tokens``."""
     asked = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
     return {name: asked or cfg.defaults.max_tokens for name, cfg in policy.tiers.items()}
-
-
-def upstream_body(obj: Any) -> Any:
-    """A parsed request as JSON builtins for an upstream, with the fields the client left out
-    left out: a struct field that is None was absent or null in the request, and strict servers
-    (llama.cpp's) refuse ``"name": null`` in a message. Values that are raw JSON (a schema's
-    ``"default": null``, tool parameters) pass through untouched."""
-    import msgspec
-
-    if isinstance(obj, msgspec.Struct):
-        out = {}
-        for f in msgspec.structs.fields(obj):
-            value = getattr(obj, f.name)
-            if value is not None:
-                out[f.encode_name] = upstream_body(value)
-        return out
-    if isinstance(obj, list) and any(isinstance(v, msgspec.Struct) for v in obj):
-        return [upstream_body(v) for v in obj]
-    return msgspec.to_builtins(obj)

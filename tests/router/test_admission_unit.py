@@ -15,7 +15,8 @@ import pytest
 
 import router.pipeline.admission
 from router.errors import BadRequestError, OverloadedError, UnavailableError
-from router.pipeline.admission import FairShare, TierPressure, client_deadline_s, rejection, tier_pressures
+from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
+from router.pipeline.calls import TierPressure
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
 
@@ -185,6 +186,9 @@ class Client:
 @dataclass
 class Remote:
     client: Client
+
+    def load(self) -> Load:  # the Backend protocol's: the upstream's load
+        return self.client.load()
 
 
 @dataclass

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from router.backends.tierset import LocalTier, RemoteBackend, build_tiers
+from router.backends.local import LocalTier
+from router.backends.remote import RemoteBackend
+from router.backends.tierset import build_tiers
 from router.errors import PolicyError
 from router.policy.loader import parse_policy
 from tests.fixtures import build_tiny_model

@@ -7,7 +7,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from router.backends.tierset import LocalTier, TierSet
+from router.backends.local import LocalTier
+from router.backends.tierset import TierSet
 from router.policy.decide import RouteRequest, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig

@@ -47,8 +47,11 @@ ROUTER_LAYERS: list[tuple[str, ...]] = [
 # Arrows up the layers that remain, each with its reason; a new one fails.
 ALLOWED_UPWARD: set[str] = {
     # The request (Generation) is still read by the local backend to build engine parameters,
-    # and named (type only) by the answer writer: the typed request would live below both.
+    # and named (type only) by the backend protocol and the answer writer: the typed request
+    # would live below them all.
+    "router.backends.base -> router.pipeline.calls",
     "router.backends.local -> router.pipeline.calls",
+    "router.backends.remote -> router.pipeline.calls",
     "router.openai.writer -> router.pipeline.calls",
 }
 

@@ -1,0 +1,90 @@
+"""A tier served by an OpenAI-compatible URL (``tiers.remote.RemoteTier``), as a ``Backend``:
+the request is forwarded with the fields the client sent, the answer streams back as the engine's
+``StepOutput`` so the same writer shapes it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from router.backends.base import Prepared, engine_key
+from router.backends.local import system_fingerprint
+from router.openai.writer import remote_error
+from tiers.output import StepOutput
+from tiers.remote import RemoteError, RemoteLoad, RemoteTier
+
+if TYPE_CHECKING:
+    from router.pipeline.calls import Generation
+    from router.policy.schema import TierConfig
+
+__all__ = ["RemoteBackend", "upstream_body"]
+
+
+class RemoteBackend:
+    """A tier served by an OpenAI-compatible URL."""
+
+    is_remote = True
+
+    def __init__(self, name: str, cfg: TierConfig, client: RemoteTier) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.client = client
+        self.key = engine_key(cfg)
+        self.draft_tier: str | None = None
+        self.retired = False
+        """Set by a reload that replaced this tier: nothing new may be sent through it."""
+
+    def is_full(self) -> bool:
+        return self.client.load().is_full
+
+    # -- the Backend protocol --------------------------------------------------------------
+    def load(self) -> RemoteLoad:
+        return self.client.load()
+
+    def shadow_load(self) -> None:
+        return None  # the upstream queues on its own device
+
+    async def prepare(self, gen: Generation, prompt_tokens: int, *, grammar_timeout_s: float) -> Prepared:
+        return Prepared(self._forwarded(gen), prompt_tokens)
+
+    def submit(self, gen: Generation, prepared: Prepared) -> list[AsyncIterator[StepOutput]]:
+        try:  # admission: the circuit's verdict and an in-flight slot, taken now (not at first read)
+            return [self.client.generate(gen.kind, prepared.payload)]
+        except RemoteError as exc:
+            raise remote_error(exc) from exc
+
+    def stream(self, gen: Generation) -> AsyncIterator[StepOutput]:
+        return self.submit(gen, Prepared(self._forwarded(gen), 0))[0]
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def _forwarded(self, gen: Generation) -> Any:
+        """The upstream's request body; the answer's fingerprint and choice count set for it."""
+        if gen.output is not None:
+            gen.output.system_fingerprint = system_fingerprint(self.name, self.key)
+            # The upstream honours best_of itself and returns the n winners: nothing to rank here
+            # (and the ranking would need token logprobs it does not send).
+            gen.output.best_of = gen.output.n
+        # Every field is forwarded as the client sent it (tools, response_format, logprobs, n...):
+        # the upstream honours them, and its tool-call deltas and logprobs come back unchanged.
+        return upstream_body(gen.request)
+
+
+def upstream_body(obj: Any) -> Any:
+    """A parsed request as JSON builtins for an upstream, with the fields the client left out
+    left out: a struct field that is None was absent or null in the request, and strict servers
+    (llama.cpp's) refuse ``"name": null`` in a message. Values that are raw JSON (a schema's
+    ``"default": null``, tool parameters) pass through untouched."""
+    import msgspec
+
+    if isinstance(obj, msgspec.Struct):
+        out = {}
+        for f in msgspec.structs.fields(obj):
+            value = getattr(obj, f.name)
+            if value is not None:
+                out[f.encode_name] = upstream_body(value)
+        return out
+    if isinstance(obj, list) and any(isinstance(v, msgspec.Struct) for v in obj):
+        return [upstream_body(v) for v in obj]
+    return msgspec.to_builtins(obj)
