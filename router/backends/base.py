@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from router.openai.writer import NOTHING_SERVED, Served
+
 if TYPE_CHECKING:
     from router.pipeline.calls import Generation
     from router.policy.schema import TierConfig
@@ -29,6 +31,7 @@ class Prepared:
     payload: Any
     num_prompt_tokens: int
     """The prompt's length in tokens: counted by a local tier, estimated for a remote one."""
+    served: Served = NOTHING_SERVED
 
 
 class Backend(Protocol):

@@ -18,7 +18,7 @@ from router.backends.base import Prepared, engine_key
 from router.errors import BadRequestError, OverloadedError
 from router.openai.schemas import ChatCompletionRequest, stop_list
 from router.openai.structured import native_prompt_ids
-from router.openai.writer import RETRY_AFTER_S
+from router.openai.writer import RETRY_AFTER_S, Served
 from router.pipeline.calls import Generation
 from tiers.engine import Engine, EngineFullError, EngineLoad
 from tiers.output import StepOutput
@@ -100,7 +100,14 @@ class LocalTier:
 
     async def prepare(self, gen: Generation, prompt_tokens: int, *, grammar_timeout_s: float) -> Prepared:
         ids, params = await prepare_local_async(self, gen, grammar_timeout_s=grammar_timeout_s)
-        return Prepared((ids, params), len(ids))
+        return Prepared((ids, params), len(ids), self.served(gen))
+
+    def served(self, gen: Generation) -> Served:
+        from router.openai.logprobs import token_texts
+
+        if gen.output is None:
+            return Served()
+        return Served(system_fingerprint(self.name, self.key), token_texts(self.tokenizer))
 
     def submit(self, gen: Generation, prepared: Prepared) -> list[AsyncIterator[StepOutput]]:
         ids, params = prepared.payload
@@ -210,8 +217,6 @@ def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[
     """Tokenize (the tier's chat template, or the structured-output spec's native prompt) and
     build each choice's sampling parameters (grammar matchers included). Work that grows with the
     request (a 1 MB prompt, a large schema): ``local_stream_async`` runs it off the event loop."""
-    from router.openai.logprobs import token_texts
-
     spec = gen.output
     try:
         native = None
@@ -225,9 +230,6 @@ def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[
             code="invalid_messages",
         ) from exc
     params = choice_params(backend, gen, sampling_params(backend, gen, len(ids)))
-    if spec is not None:
-        spec.token_texts = token_texts(backend.tokenizer)
-        spec.system_fingerprint = system_fingerprint(backend.name, backend.key)
     return ids, params
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.backends.base import Prepared, engine_key
 from router.backends.local import system_fingerprint
-from router.openai.writer import remote_error
+from router.openai.writer import Served, remote_error
 from tiers.output import StepOutput
 from tiers.remote import RemoteError, RemoteLoad, RemoteTier
 
@@ -45,7 +45,8 @@ class RemoteBackend:
         return None  # the upstream queues on its own device
 
     async def prepare(self, gen: Generation, prompt_tokens: int, *, grammar_timeout_s: float) -> Prepared:
-        return Prepared(self._forwarded(gen), prompt_tokens)
+        served = Served(system_fingerprint(self.name, self.key) if gen.output is not None else None)
+        return Prepared(self._forwarded(gen), prompt_tokens, served)
 
     def submit(self, gen: Generation, prepared: Prepared) -> list[AsyncIterator[StepOutput]]:
         try:  # admission: the circuit's verdict and an in-flight slot, taken now (not at first read)
@@ -60,9 +61,8 @@ class RemoteBackend:
         await self.client.aclose()
 
     def _forwarded(self, gen: Generation) -> Any:
-        """The upstream's request body; the answer's fingerprint and choice count set for it."""
+        """The upstream's request body (and the choices the answer holds: the upstream's)."""
         if gen.output is not None:
-            gen.output.system_fingerprint = system_fingerprint(self.name, self.key)
             # The upstream honours best_of itself and returns the n winners: nothing to rank here
             # (and the ranking would need token logprobs it does not send).
             gen.output.best_of = gen.output.n

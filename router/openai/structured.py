@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.openai.json_schema import check_strict_schema, close_objects
-from router.openai.logprobs import TokenTexts
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest, content_text
 from router.openai.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_grammar
 from tiers.grammar import GrammarSpec
@@ -40,10 +39,6 @@ class OutputSpec:
     """The grammar every choice is decoded under (None: unconstrained)."""
     grammar_param: str | None = None
     """The request field a grammar compile error is blamed on."""
-    # Set once the tier is known.
-    token_texts: TokenTexts | None = None
-    """The local tier's token texts (logprobs); None for remote tiers, which send theirs."""
-    system_fingerprint: str | None = None
 
     @property
     def has_tools(self) -> bool:

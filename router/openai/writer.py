@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.errors import RouterError, UnavailableError
 from router.openai.choices import ChoiceBuilder, Merged, aggregate
+from router.openai.logprobs import TokenTexts
 from router.openai.schemas import completion_id, now, usage_body
 from router.openai.sse import SSEStream, completion_body, object_name, sse_event
 from router.openai.structured import OutputSpec
@@ -27,9 +29,32 @@ if TYPE_CHECKING:
     from router.policy.decide import Decision
     from router.telemetry import Telemetry
 
-__all__ = ["RETRY_AFTER_S", "InFlight", "OnComplete", "ResponseWriter", "aclose_quietly", "remote_error"]
+__all__ = [
+    "NOTHING_SERVED",
+    "RETRY_AFTER_S",
+    "InFlight",
+    "OnComplete",
+    "ResponseWriter",
+    "Served",
+    "aclose_quietly",
+    "remote_error",
+]
 
 RETRY_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the answer writer learns from the backend that took a request (the request's own
+    ``OutputSpec`` stays what the caller asked for)."""
+
+    system_fingerprint: str | None = None
+    """The tier's serving configuration (OpenAI's ``system_fingerprint``)."""
+    token_texts: TokenTexts | None = None
+    """The local tier's token texts, for logprobs; None for remote tiers, which send theirs."""
+
+
+NOTHING_SERVED = Served()
 
 OnComplete = Callable[[dict[str, Any]], Awaitable[None]]
 """Called with the finished body of an answer that ended with ``stop`` (the cache stores it)."""
@@ -154,15 +179,15 @@ class ResponseWriter:
             last.num_accepted_tokens,
         )
 
-    def _choices(self, gen: Generation) -> list[ChoiceBuilder]:
+    def _choices(self, gen: Generation, served: Served) -> list[ChoiceBuilder]:
         spec = gen.output if gen.output is not None else OutputSpec()
         return [
-            ChoiceBuilder(i, gen.kind, spec, spec.token_texts, gen.prompt or "")
+            ChoiceBuilder(i, gen.kind, spec, served.token_texts, gen.prompt or "")
             for i in range(max(spec.n, spec.best_of))
         ]
 
     def _envelope(
-        self, gen: Generation, cid: str, created: int, model: str, *, stream: bool
+        self, gen: Generation, served: Served, cid: str, created: int, model: str, *, stream: bool
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": cid,
@@ -170,9 +195,8 @@ class ResponseWriter:
             "created": created,
             "model": model,
         }
-        spec = gen.output
-        if spec is not None and spec.system_fingerprint:
-            body["system_fingerprint"] = spec.system_fingerprint
+        if served.system_fingerprint:
+            body["system_fingerprint"] = served.system_fingerprint
         return body
 
     @staticmethod
@@ -190,11 +214,12 @@ class ResponseWriter:
         span_attrs: dict[str, Any],
         prompt_hint: int,
         *,
+        served: Served = NOTHING_SERVED,
         timeout_s: float,
         on_complete: OnComplete | None = None,
     ) -> dict[str, Any]:
         merged = Merged(source if isinstance(source, list) else [source])
-        choices = self._choices(gen)
+        choices = self._choices(gen, served)
         self._enter()
         try:
             index, out = await self._first(merged, timeout_s)
@@ -225,7 +250,7 @@ class ResponseWriter:
             text = "".join(c.text for c in choices)
             usage = self._finish_record(gen, d, total, "ok", span_attrs, prompt_hint, text)
             kept = _best(gen, choices)
-            body = self._envelope(gen, completion_id(_prefix(gen)), now(), d.tier, stream=False)
+            body = self._envelope(gen, served, completion_id(_prefix(gen)), now(), d.tier, stream=False)
             body["choices"] = [dict(c.body(), index=i) for i, c in enumerate(kept)]
             body["usage"] = usage
             spec = gen.output
@@ -249,6 +274,7 @@ class ResponseWriter:
         span_attrs: dict[str, Any],
         prompt_hint: int,
         *,
+        served: Served = NOTHING_SERVED,
         timeout_s: float,
         on_complete: OnComplete | None = None,
     ) -> AsyncIterator[bytes]:
@@ -264,12 +290,13 @@ class ResponseWriter:
                 self._leave()
             raise
         return SSEStream(
-            self._sse_body(gen, d, merged, first, span_attrs, prompt_hint, on_complete), self._leave
+            self._sse_body(gen, served, d, merged, first, span_attrs, prompt_hint, on_complete), self._leave
         )
 
     async def _sse_body(
         self,
         gen: Generation,
+        served: Served,
         d: Decision,
         merged: Merged,
         first: tuple[int, StepOutput],
@@ -277,8 +304,8 @@ class ResponseWriter:
         prompt_hint: int,
         on_complete: OnComplete | None,
     ) -> AsyncGenerator[bytes, None]:
-        envelope = self._envelope(gen, completion_id(_prefix(gen)), now(), d.tier, stream=True)
-        choices = self._choices(gen)
+        envelope = self._envelope(gen, served, completion_id(_prefix(gen)), now(), d.tier, stream=True)
+        choices = self._choices(gen, served)
         options = gen.request.stream_options
         # vLLM's continuous_usage_stats: each chunk carries the usage so far (all choices together).
         running: dict[int, StepOutput] | None = (
@@ -333,8 +360,8 @@ class ResponseWriter:
             spec = gen.output
             if on_complete is not None and (spec is None or spec.is_plain) and total.finish_reason == "stop":
                 body = completion_body(gen.kind, d.tier, text, total.finish_reason, usage)
-                if spec is not None and spec.system_fingerprint:
-                    body["system_fingerprint"] = spec.system_fingerprint
+                if served.system_fingerprint:
+                    body["system_fingerprint"] = served.system_fingerprint
                 await on_complete(body)
         finally:
             await merged.aclose()  # client gone mid-stream: this aborts the engine requests

@@ -26,7 +26,7 @@ from router.openai.schemas import (
 )
 from router.openai.sse import replay
 from router.openai.structured import chat_messages, output_spec
-from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter
+from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served
 from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
 from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation, Routed
 from router.pipeline.limits import check_limits
@@ -429,8 +429,10 @@ class RouterService:
             self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)
             self.fair.note(d.tier, ctx.principal)  # a refused caller still claims its share
             raise rejection(d, routed.pressures)
-        source, prompt_tokens_hint = await self._submit(tiers, d.tier, gen, routed.prompt_tokens, policy)
-        # Counted against the caller's share of the tier until the answer ends (router.pipeline.admission).
+        source, prompt_tokens_hint, served = await self._submit(
+            tiers, d.tier, gen, routed.prompt_tokens, policy
+        )
+        # Counted against the caller's share of the tier until the answer ends (pipeline.admission).
         spec = gen.output
         weight = max(spec.n, spec.best_of) if spec is not None else 1
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0], weight)
@@ -457,18 +459,33 @@ class RouterService:
             timeout_s = min(timeout_s, routed.deadline_s)
         if gen.stream:
             stream = await self.writer.sse(
-                gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
+                gen,
+                d,
+                source,
+                span_attrs,
+                prompt_tokens_hint,
+                served=served,
+                timeout_s=timeout_s,
+                on_complete=on_complete,
             )
             return Completion(headers, stream=stream)
         body = await self.writer.collect(
-            gen, d, source, span_attrs, prompt_tokens_hint, timeout_s=timeout_s, on_complete=on_complete
+            gen,
+            d,
+            source,
+            span_attrs,
+            prompt_tokens_hint,
+            served=served,
+            timeout_s=timeout_s,
+            on_complete=on_complete,
         )
         return Completion(headers, body=body)
 
     async def _submit(
         self, tiers: TierSet, tier: str, gen: Generation, prompt_tokens: int, policy: Policy
-    ) -> tuple[list[AsyncIterator[StepOutput]], int]:
-        """Submit ``gen`` to ``tier``: one output stream per choice, and the prompt's token count.
+    ) -> tuple[list[AsyncIterator[StepOutput]], int, Served]:
+        """Submit ``gen`` to ``tier``: one output stream per choice, the prompt's token count, and
+        what the backend tells the writer about itself.
 
         Preparing a local request awaits (tokenization, grammar compilation off the loop); a
         reload may retire the tier's engine meanwhile. A retired backend takes nothing new: the
@@ -483,7 +500,7 @@ class RouterService:
                 gen, prompt_tokens, grammar_timeout_s=policy.service.limits.grammar_timeout_s
             )
             if not backend.retired:  # no await from this check to the submission
-                return backend.submit(gen, prepared), prepared.num_prompt_tokens
+                return backend.submit(gen, prepared), prepared.num_prompt_tokens, prepared.served
             tiers = self._require_tiers()  # the set the reload swapped in
         raise UnavailableError(
             f"Tier '{tier}' is being reloaded; retry shortly.", code="tier_loading", retry_after=1.0
