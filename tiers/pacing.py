@@ -220,7 +220,7 @@ def queue_backlog(
             )
             ahead += sum(s.num_tokens - s.num_computed_tokens for s in waiting if s.caller == caller)
             return Backlog(ahead + inbox_mine_tokens, decoding, 0, protected=True)
-        # Free slots go to the waiting caller running the fewest (``_next_waiting``): only
+        # Free slots go to the waiting caller running the fewest (``fairness.next_waiting``): only
         # the queued requests of callers running no more than this one are ahead of it.
         waiting = [s for s in waiting if per_caller[s.caller] <= per_caller[caller]]
     queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
