@@ -263,6 +263,7 @@ class Engine:
             self.proposer.on_accept(seq, num_accepted)
 
     def deliver(self, seq: Sequence, tokens: list[int], logprobs: list[Any] | None) -> None:
+        """A row's new tokens, out through ``_postprocess`` (the seam fault-injection tests use)."""
         self._postprocess(seq, tokens, logprobs)
 
     def _postprocess(self, seq: Sequence, tokens: list[int], logprobs: list[Any] | None = None) -> None:
