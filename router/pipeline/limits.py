@@ -5,10 +5,14 @@ otherwise pay for: a ``logit_bias`` entry is applied to every row at every engin
 schema node becomes grammar states compiled before the first token, a tool adds to the prompt
 and to the tool-call grammar. Each refusal is a 400 in OpenAI's shape naming the field and the
 limit (``code``: ``limit_exceeded``), so a client can tell which bound it hit and by how much.
+
+``TenantLimiter`` bounds how often: each caller's requests and tokens per minute (a tenant's
+``rate_limit_rpm`` / ``rate_limit_tpm``), checked before routing.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError
@@ -18,7 +22,7 @@ if TYPE_CHECKING:
     from router.openai.schemas import CompletionRequest
     from router.policy.schema import LimitsConfig
 
-__all__ = ["check_limits", "schema_size"]
+__all__ = ["TenantLimiter", "check_limits", "schema_size"]
 
 
 def _refuse(param: str, what: str, limit: int, key: str) -> BadRequestError:
@@ -80,3 +84,25 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsC
     fmt = req.response_format
     if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema is not None:
         _check_schema("response_format.json_schema.schema", fmt.json_schema.schema, limits)
+
+
+class TenantLimiter:
+    """Per-caller token buckets: requests (``rate_limit_rpm``) and tokens (``rate_limit_tpm``)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def check(self, key: str, per_minute: int, cost: float = 1.0) -> float | None:
+        """None when allowed (``cost`` is charged); otherwise the seconds until it would be.
+
+        A cost above the bucket's size passes once the bucket is full and leaves it in debt, so a
+        large request is possible but paid for by the wait of the next ones."""
+        t = time.monotonic()
+        tokens, last = self._buckets.get(key, (float(per_minute), t))
+        tokens = min(float(per_minute), tokens + (t - last) * per_minute / 60.0)
+        need = min(cost, float(per_minute))
+        if tokens < need:
+            self._buckets[key] = (tokens, t)
+            return (need - tokens) * 60.0 / per_minute
+        self._buckets[key] = (tokens - cost, t)
+        return None

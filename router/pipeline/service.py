@@ -29,7 +29,7 @@ from router.openai.structured import chat_messages, output_spec
 from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served
 from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
 from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation, Routed
-from router.pipeline.limits import check_limits
+from router.pipeline.limits import TenantLimiter, check_limits
 from router.pipeline.session import SessionMemory, prior_key, record_key
 from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.policy.decide import Decision, RouteRequest, decide
@@ -46,28 +46,6 @@ __all__ = ["CallContext", "Completion", "RouterService"]
 log = logging.getLogger(__name__)
 
 _Gen = Generation  # the name before request types moved to router.pipeline.calls
-
-
-class TenantLimiter:
-    """Per-caller token buckets: requests (``rate_limit_rpm``) and tokens (``rate_limit_tpm``)."""
-
-    def __init__(self) -> None:
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def check(self, key: str, per_minute: int, cost: float = 1.0) -> float | None:
-        """None when allowed (``cost`` is charged); otherwise the seconds until it would be.
-
-        A cost above the bucket's size passes once the bucket is full and leaves it in debt, so a
-        large request is possible but paid for by the wait of the next ones."""
-        t = time.monotonic()
-        tokens, last = self._buckets.get(key, (float(per_minute), t))
-        tokens = min(float(per_minute), tokens + (t - last) * per_minute / 60.0)
-        need = min(cost, float(per_minute))
-        if tokens < need:
-            self._buckets[key] = (tokens, t)
-            return (need - tokens) * 60.0 / per_minute
-        self._buckets[key] = (tokens - cost, t)
-        return None
 
 
 class RouterService:

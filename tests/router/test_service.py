@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.pipeline.service import TenantLimiter
+from router.pipeline.limits import TenantLimiter
 
 
 def test_tenant_token_bucket_allows_the_rate_then_asks_to_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr("router.pipeline.service.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("router.pipeline.limits.time.monotonic", lambda: now[0])
     limiter = TenantLimiter()
     assert all(limiter.check("t", 60) is None for _ in range(60))  # a full minute's burst
     wait = limiter.check("t", 60)
