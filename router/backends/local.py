@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 
 from router.backends.base import Prepared, engine_key
 from router.errors import BadRequestError, OverloadedError
-from router.openai.schemas import ChatCompletionRequest, stop_list
+from router.openai.schemas import ChatCompletionRequest
 from router.openai.structured import native_prompt_ids
 from router.openai.writer import RETRY_AFTER_S, Served
 from router.pipeline.calls import Generation
@@ -128,47 +128,39 @@ def system_fingerprint(tier: str, key: Any) -> str:
 
 def sampling_params(backend: LocalTier, gen: Generation, num_prompt: int) -> SamplingParams:
     """The request's sampling fields over the tier's defaults, ``max_tokens`` clamped to its context."""
-    req = gen.request
+    s = gen.sampling
     defaults = backend.cfg.defaults
-    if isinstance(req, ChatCompletionRequest):
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        param = "max_completion_tokens"
-    else:
-        requested = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's completions default
-        param = "max_tokens"
-    max_tokens = backend.clamp_max_tokens(num_prompt, requested, param)
-    eos_free = bool(req.ignore_eos)
     return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=defaults.temperature if req.temperature is None else req.temperature,
-        top_p=defaults.top_p if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        seed=req.seed,
-        stop=stop_list(req.stop),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        ignore_eos=eos_free,
-        stop_token_ids=_stop_token_ids(backend, req.stop_token_ids),
-        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        min_p=req.min_p or 0.0,
-        logit_bias=_logit_bias(backend, req.logit_bias),
+        max_tokens=backend.clamp_max_tokens(num_prompt, s.max_tokens, s.max_tokens_param),
+        temperature=defaults.temperature if s.temperature is None else s.temperature,
+        top_p=defaults.top_p if s.top_p is None else s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=s.stop,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=_stop_token_ids(backend, s.stop_token_ids),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        min_p=s.min_p,
+        logit_bias=_logit_bias(backend, s.logit_bias),
         logprobs=_logprobs(gen),
     )
 
 
-def _stop_token_ids(backend: LocalTier, ids: list[int] | None) -> tuple[int, ...]:
+def _stop_token_ids(backend: LocalTier, ids: tuple[int, ...]) -> tuple[int, ...]:
     vocab = len(backend.tokenizer)
-    for token in ids or []:
+    for token in ids:
         if token >= vocab:
             raise BadRequestError(
                 f"'stop_token_ids' names token {token}; tier '{backend.name}' has {vocab} tokens.",
                 param="stop_token_ids",
             )
-    return tuple(ids or ())
+    return ids
 
 
-def _logit_bias(backend: LocalTier, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def _logit_bias(backend: LocalTier, bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...]:
     vocab = len(backend.tokenizer)
     pairs = tuple((int(k), float(v)) for k, v in (bias or {}).items())
     for token, _ in pairs:

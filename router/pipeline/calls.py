@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, stop_list
+
 if TYPE_CHECKING:
     from classifier import ComplexityScore
-    from router.openai.schemas import ChatCompletionRequest, CompletionRequest
     from router.openai.structured import OutputSpec
     from router.policy.decide import Decision
     from router.policy.schema import Policy
 
-__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed", "TierPressure"]
+__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed", "Sampling", "TierPressure"]
 
 
 @dataclass(slots=True)
@@ -103,6 +104,57 @@ class Completion:
     stream: AsyncIterator[bytes] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """A request's sampling fields, read once from its validated body; a backend lays them over
+    its tier's defaults (None: the tier's) and checks token ids against its own vocabulary."""
+
+    max_tokens: int | None
+    """What the caller asked for: chat ``max_completion_tokens`` else ``max_tokens``; completions
+    ``max_tokens`` else OpenAI's default of 16. None: the tier's default."""
+    max_tokens_param: str
+    """The field a context overflow is blamed on."""
+    temperature: float | None
+    top_p: float | None
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    include_stop_str_in_output: bool
+    logit_bias: Mapping[str, float]
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest | CompletionRequest) -> Sampling:
+        if isinstance(req, ChatCompletionRequest):
+            asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            param = "max_completion_tokens"
+        else:
+            asked = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's completions default
+            param = "max_tokens"
+        return cls(
+            max_tokens=asked,
+            max_tokens_param=param,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            stop=stop_list(req.stop),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            min_p=req.min_p or 0.0,
+            ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logit_bias=dict(req.logit_bias or {}),
+        )
+
+
 @dataclass(slots=True)
 class Generation:
     """One generation request after parsing: the normalized conversation or prompt."""
@@ -117,6 +169,11 @@ class Generation:
     ctx: CallContext | None = None
     output: OutputSpec | None = None
     """What the output must be beyond text (format, tools, logprobs, n); see router/openai/structured.py."""
+    sampling: Sampling = field(init=False)
+    """The request's sampling fields, derived from ``request`` (again when a copy replaces it)."""
+
+    def __post_init__(self) -> None:
+        self.sampling = Sampling.of(self.request)
 
 
 _Gen = Generation  # the name other modules used before the split
