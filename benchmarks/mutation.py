@@ -38,6 +38,7 @@ MODULES: dict[str, list[str]] = {
     "tiers/block_manager.py": [
         "tests/tiers/test_block_manager.py",
         "tests/tiers/test_block_manager_properties.py",
+        "tests/tiers/test_block_manager_edges.py",
     ],
     "tiers/scheduler.py": [
         "tests/tiers/test_scheduler.py",
@@ -49,20 +50,23 @@ MODULES: dict[str, list[str]] = {
         "accept_batch or controller or ngram_proposer or k_not_in_use",
     ],
     "tiers/sampling.py": ["tests/tiers/test_sampling.py"],
-    "router/cache.py": [
+    "router/pipeline/cache.py": [
         "tests/router/test_cache.py",
+        "tests/router/test_cache_edges.py",
+        "tests/router/test_semantic_index.py",
         "-k",
         "scope or expire or bounded or redis_entries or exact_key or lookups_report or semantic_index"
-        " or build_cache or unreachable or undecodable",
+        " or build_cache or unreachable or undecodable or cache_edges",
     ],
-    "router/auth.py": [
+    "router/http/auth.py": [
         "tests/router/test_auth.py",
         "-k",
         "x_tenant_is_ignored or keys_parse or unreadable or unit",
     ],
-    "router/admission.py": ["tests/router/test_admission_unit.py"],
+    "router/pipeline/admission.py": ["tests/router/test_admission_unit.py"],
     "router/policy/decide.py": [
         "tests/router/policy/test_decide.py",
+        "tests/router/policy/test_decide_edges.py",
         "tests/router/policy/test_load_aware.py",
     ],
 }
@@ -74,33 +78,206 @@ _LOCALE = (
     "encoding=None reads with the locale's encoding, UTF-8 on every host this runs on (Python 3.11 "
     "coerces the C locale to UTF-8, PEP 538); equivalent there, and only there"
 )
-EQUIVALENT: list[tuple[str, str, str]] = [
-    ("router/auth.py", 'found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding="UTF-8"))', _UTF8),
-    ("router/auth.py", 'return Path(self.config.api_keys_file).read_text(encoding="UTF-8")', _UTF8),
-    ("router/auth.py", "found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding=None))", _LOCALE),
-    ("router/auth.py", "return Path(self.config.api_keys_file).read_text(encoding=None)", _LOCALE),
+_BM = "tiers/block_manager.py"
+_NAMES = (
+    "block names are only compared with each other inside one process (never stored or sent), so "
+    "any fixed domain prefix, digest size or byte order that keeps distinct inputs distinct names "
+    "the same blocks"
+)
+_FALSY = "OrderedDict's `last` is read for truth: None is False"
+_SET = "the free queue is an OrderedDict used as an ordered set: its values are never read"
+EQUIVALENT_BLOCK_MANAGER: list[tuple[str, str, str]] = [
     (
-        "router/auth.py",
+        _BM,
+        'return hashlib.blake2b(parent + array("Q", tokens).tobytes(), digest_size=16).digest()',
+        "token ids are never negative, so signed and unsigned 64-bit arrays give the same bytes",
+    ),
+    (_BM, 'return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=17).digest()', _NAMES),
+    (_BM, 'return hashlib.blake2b(parent + array("q", tokens).tobytes(), ).digest()', _NAMES),
+    (_BM, 'return hashlib.blake2b(b"tiered-router/kv/" + salt.encode(), ).digest()', _NAMES),
+    (
+        _BM,
+        'return hashlib.blake2b(b"XXtiered-router/kv/XX" + salt.encode(), digest_size=16).digest()',
+        _NAMES,
+    ),
+    (_BM, 'return hashlib.blake2b(b"TIERED-ROUTER/KV/" + salt.encode(), digest_size=16).digest()', _NAMES),
+    (_BM, 'return hashlib.blake2b(b"tiered-router/kv/" + salt.encode(), digest_size=17).digest()', _NAMES),
+    (_BM, "old, _ = entries.popitem(last=None)", _FALSY),
+    (_BM, "self._free.move_to_end(old, last=None)  # now as worthless as any unnamed block", _FALSY),
+    (_BM, "self._free.move_to_end(b, last=None)", _FALSY),
+    (_BM, "b, _ = self._free.popitem(last=None)", _FALSY),
+    (_BM, 'self._free[b] = ""', _SET),
+    (_BM, "self._ever_used[b] = 2", "_ever_used is a bytearray read only for truth"),
+    (_BM, "for a, b in zip(tokens, want, strict=None):", "zip's strict defaults to False; None is False"),
+    (_BM, "for a, b in zip(tokens, want, ):", "zip's strict defaults to False"),
+    (
+        _BM,
+        "if not self.enable_caching and self.copy_block is None:",
+        "with caching off nothing is ever indexed (cache_full_blocks and _remember_partial return "
+        "first), so the lookup finds no entry and returns None either way",
+    ),
+    (
+        _BM,
+        "if best is None or n >= best[1]:",
+        "blocks that tie serve the same run of tokens after the same parent: either copy is the same KV",
+    ),
+    (
+        _BM,
+        "if best is None and best[1] == 0:",
+        "entries are keyed by the first wanted token and `want` is non-empty (limit > start), so the "
+        "first entry sets best with n >= 1: best is never None and never serves 0 tokens here",
+    ),
+    (
+        _BM,
+        "if self.ref_counts[b] != 1 or b in self._name_of and b in self._indexed:",
+        "a named block is always indexed (cache_full_blocks indexes what it names; without copy_block "
+        "_remember_partial returned earlier) and an indexed unnamed block is free, never in a table",
+    ),
+    (
+        _BM,
+        "tail = BlockTable(None, table.blocks[keep:], [])",
+        "free() without token_ids reads neither the tail's salt nor its names",
+    ),
+    (
+        _BM,
+        "tail = BlockTable(table.salt, table.blocks[keep:], )",
+        "free() without token_ids reads neither the tail's salt nor its names",
+    ),
+]
+_DECIDE = "router/policy/decide.py"
+_GET_NONE = "Mapping.get without a default returns None, which is as falsy as the False default"
+_UNREACHABLE_DEFAULT = (
+    "the for-else runs only when no rule matches; the loader requires the last rule to have no "
+    "'when' (the default rule), so a validated policy never gets there"
+)
+_NO_PROBABILITIES = (
+    "the loader keeps every confidence threshold in [0, 1], and a score without probabilities is "
+    "fully confident under either default (1.0 or 2.0 is never below a threshold <= 1)"
+)
+EQUIVALENT_DECIDE: list[tuple[str, str, str]] = [
+    (_DECIDE, "if t in costs and not full.get(t, None) and not _cap(policy, t, tenant)[1]", _GET_NONE),
+    (_DECIDE, "if t in costs and not full.get(t, ) and not _cap(policy, t, tenant)[1]", _GET_NONE),
+    (_DECIDE, "while full.get(tier, None):", _GET_NONE),
+    (_DECIDE, "while full.get(tier, ):", _GET_NONE),
+    (
+        _DECIDE,
+        "below = [t for t in ordered if order.index(t) <= order.index(tier)]",
+        "_cap returns earlier when the tier is allowed, so no allowed tier sits at the tier's own index",
+    ),
+    (
+        _DECIDE,
+        "cfg = policy.tenants.get(tenant) if (tenant is not None) or True else None",
+        "tenants are keyed by strings (the loader refuses other keys): tenants.get(None) is None either way",
+    ),
+    (_DECIDE, "confidence = max(score.probabilities.values(), default=2.0)", _NO_PROBABILITIES),
+    (
+        _DECIDE,
+        "and not max(score.probabilities.values(), default=2.0) < w.confidence_below",
+        _NO_PROBABILITIES,
+    ),
+    (_DECIDE, "tier, rule, reason, used_score = None", _UNREACHABLE_DEFAULT),
+    (_DECIDE, "policy.tier_names[+1],", _UNREACHABLE_DEFAULT),
+    (_DECIDE, "policy.tier_names[-2],", _UNREACHABLE_DEFAULT),
+    (_DECIDE, '"XXimplicit-defaultXX",', _UNREACHABLE_DEFAULT),
+    (_DECIDE, '"IMPLICIT-DEFAULT",', _UNREACHABLE_DEFAULT),
+    (_DECIDE, '"XXno rule matchedXX",', _UNREACHABLE_DEFAULT),
+    (_DECIDE, '"NO RULE MATCHED",', _UNREACHABLE_DEFAULT),
+    (_DECIDE, "True,", _UNREACHABLE_DEFAULT),
+    (
+        _DECIDE,
+        "if pin or order.index(session) >= order.index(tier):",
+        "the enclosing test already requires session != tier, so the indices are never equal here",
+    ),
+]
+_CACHE = "router/pipeline/cache.py"
+_SAME_DIGEST = (
+    "keys are digests compared only with digests from the same function: escaping non-ASCII or "
+    "naming the semantic domain differently changes every key alike (an exact key and a scope "
+    "already differ in their parts' structure)"
+)
+_FLOAT_ROWS = (
+    "the semantic matrix's dtype and initial size change neither which row is most similar nor "
+    "whether it clears the threshold (rows are unit vectors; the matrix grows on demand)"
+)
+EQUIVALENT_CACHE: list[tuple[str, str, str]] = [
+    (_CACHE, "raw = json.dumps(parts, sort_keys=True, ensure_ascii=True, default=str)", _SAME_DIGEST),
+    (_CACHE, "raw = json.dumps(parts, sort_keys=True, ensure_ascii=None, default=str)", _SAME_DIGEST),
+    (_CACHE, "raw = json.dumps(parts, sort_keys=True, default=str)", _SAME_DIGEST),
+    (_CACHE, 'scope = _digest([*head, "XXsemanticXX", earlier])', _SAME_DIGEST),
+    (_CACHE, 'scope = _digest([*head, "SEMANTIC", earlier])', _SAME_DIGEST),
+    (_CACHE, 'scope = _digest([*head, "XXsemanticXX"])', _SAME_DIGEST),
+    (_CACHE, 'scope = _digest([*head, "SEMANTIC"])', _SAME_DIGEST),
+    (_CACHE, "self._data.popitem(last=None)", _FALSY),
+    (
+        _CACHE,
+        "earlier = content[:-1] if (isinstance(content, list)) or True else None",
+        "a chat request's messages are always a list (the schema requires it)",
+    ),
+    (
+        _CACHE,
+        'elif gen.kind == "completion" or gen.prompt:',
+        "a chat Generation has no prompt, so the branch is taken for completions only either way",
+    ),
+    (
+        _CACHE,
+        "content = fields.pop(content_field, )",
+        "the content field is always present (chat requires messages, completions a prompt)",
+    ),
+    (_CACHE, "self.matrix = np.zeros((8, dim), dtype=None)", _FLOAT_ROWS),
+    (_CACHE, "self.matrix = np.zeros((8, dim), )", _FLOAT_ROWS),
+    (_CACHE, "self.matrix = np.zeros((9, dim), dtype=np.float32)", _FLOAT_ROWS),
+    (_CACHE, "self.expires = np.zeros(8, dtype=None)", _FLOAT_ROWS),
+    (_CACHE, "self.expires = np.zeros(8, )", _FLOAT_ROWS),
+    (_CACHE, "self.expires = np.zeros(9, dtype=np.float64)", _FLOAT_ROWS),
+    (_CACHE, "sims = self.matrix[:n] @ vector.astype(None, copy=False)", _FLOAT_ROWS),
+    (_CACHE, "sims = self.matrix[:n] @ vector.astype(self._np.float32, copy=None)", _FLOAT_ROWS),
+    (_CACHE, "sims = self.matrix[:n] @ vector.astype(self._np.float32, )", _FLOAT_ROWS),
+    (_CACHE, "sims = self.matrix[:n] @ vector.astype(self._np.float32, copy=True)", _FLOAT_ROWS),
+    (
+        _CACHE,
+        "n = None",
+        "the extra rows are zeros (similarity 0) and the loader keeps the threshold in (0, 1]: an "
+        "unused row is never the answer, and a live row clears the threshold or nothing does",
+    ),
+]
+EQUIVALENT: list[tuple[str, str, str]] = [
+    *EQUIVALENT_BLOCK_MANAGER,
+    *EQUIVALENT_DECIDE,
+    *EQUIVALENT_CACHE,
+    (
+        "router/http/auth.py",
+        'found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding="UTF-8"))',
+        _UTF8,
+    ),
+    ("router/http/auth.py", 'return Path(self.config.api_keys_file).read_text(encoding="UTF-8")', _UTF8),
+    (
+        "router/http/auth.py",
+        "found = ApiKeys.parse(Path(auth.api_keys_file).read_text(encoding=None))",
+        _LOCALE,
+    ),
+    ("router/http/auth.py", "return Path(self.config.api_keys_file).read_text(encoding=None)", _LOCALE),
+    (
+        "router/http/auth.py",
         'authorization = "bearer " + headers["x-api-key"]',
         "the scheme is compared lower-cased (ApiKeys.lookup): 'bearer' is 'Bearer'",
     ),
     (
-        "router/auth.py",
+        "router/http/auth.py",
         'authorization = "BEARER " + headers["x-api-key"]',
         "the scheme is compared lower-cased (ApiKeys.lookup): 'BEARER' is 'Bearer'",
     ),
     (
-        "router/admission.py",
+        "router/pipeline/admission.py",
         "wait = p.wait_s if p is not None else 1.0",
         "only read as max(1.0, ceil(wait)): 0.0 and 1.0 both give a Retry-After of 1 s",
     ),
     (
-        "router/admission.py",
+        "router/pipeline/admission.py",
         "cfg = policy.tenants.get(tenant) if (tenant is not None) or True else None",
         "tenants are keyed by strings (the loader refuses other keys): tenants.get(None) is None either way",
     ),
     (
-        "router/admission.py",
+        "router/pipeline/admission.py",
         'wait = float(getattr(load, "predicted_wait_s", None) or 0.0)',
         "a load without the field gives None instead of 0.0, and `or 0.0` makes both 0.0",
     ),

@@ -96,6 +96,8 @@ CASES: list[tuple[str, dict[str, Any], Score | None, bool]] = [
     ("{tenant: [acme]}", {"tenant": "other"}, None, False),
     ("{all_of: [{turns_at_least: 2}, {logprobs: true}]}", {"turns": 2, "logprobs": True}, None, True),
     ("{all_of: [{turns_at_least: 2}, {logprobs: true}]}", {"turns": 2, "logprobs": False}, None, False),
+    ("{all_of: [{score_below: 0.5}, {turns_at_least: 1}]}", {}, Score(0.4), True),
+    ("{all_of: [{score_below: 0.5}, {turns_at_least: 1}]}", {}, Score(0.6), False),
     ("{any_of: [{turns_at_least: 5}, {logprobs: true}]}", {"turns": 1, "logprobs": True}, None, True),
     ("{any_of: [{turns_at_least: 5}, {logprobs: true}]}", {"turns": 1, "logprobs": False}, None, False),
     ("{not: {logprobs: true}}", {"logprobs": False}, None, True),
@@ -283,11 +285,11 @@ def test_unknown_tenants_get_the_default_tenants_tiers_or_what_every_tenant_may_
     union or the complement, or falling back to the wrong tier when the lists share nothing."""
     with_default = _policy("""
     tenants:
-      default: {allowed_tiers: [medium]}
+      default: {allowed_tiers: [large]}
       a: {allowed_tiers: [small, medium]}
     routing: {rules: [{name: default, tier: large}]}
     """)
-    assert unknown_tenant_tiers(with_default) == ["medium"]
+    assert unknown_tenant_tiers(with_default) == ["large"]  # not the named tenants' [small, medium]
     overlap = _policy("""
     tenants:
       a: {allowed_tiers: [small, medium]}
