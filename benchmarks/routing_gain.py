@@ -8,9 +8,11 @@ modes run back to back in a rotating order so a drift in the machine's speed doe
 The two ``auto`` modes are the default policy with ``routing.mode`` set to ``static`` or
 ``load_aware``: the server hot-reloads the file between phases (routing only: the engines stay).
 
-Reported per load and mode: wall time, mean and p90 latency, completion tokens per second, the
-share of requests per tier, and the quality proxy the policy implies - the share of prompts served
-below the tier their score asks for (the static rules' tier, from ``/v1/route``).
+Clients behave like the OpenAI SDKs: a 429/503 is retried after its Retry-After, twice. Reported
+per load and mode: wall time, mean and p90 latency (retries included), completion tokens per
+second, requests answered and goodput (answered per second), retries, the share of requests per
+tier, and the quality proxy the policy implies - the share of prompts served below the tier their
+score asks for (the static rules' tier, from ``/v1/route``).
 
     python -m benchmarks.routing_gain [--loads 1,4,16,48] [--policy policies/default.yaml]
 
@@ -35,6 +37,10 @@ from benchmarks.common import machine, percentile, plot_path, serve, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64
+# A refused request (429/503) is retried as the OpenAI SDKs do: after Retry-After (capped), twice.
+RETRIES = 2
+RETRY_WAIT_CAP_S = 5.0
+NO_CACHE = {"cache-control": "no-cache"}
 MODES = ("static", "load_aware", "small", "large")
 
 OPEN_QUESTIONS = [
@@ -127,9 +133,11 @@ async def _phase(client: httpx.AsyncClient, clients: int, model: str, prompts: l
     rules: Counter[str] = Counter()
     status: Counter[int] = Counter()
     tokens = 0
+    answered = 0
+    retries = 0
 
     async def worker() -> None:
-        nonlocal tokens
+        nonlocal tokens, answered, retries
         while True:
             try:
                 prompt = queue.get_nowait()
@@ -142,10 +150,17 @@ async def _phase(client: httpx.AsyncClient, clients: int, model: str, prompts: l
                 "temperature": 0,
             }
             started = time.perf_counter()
-            r = await client.post("/v1/chat/completions", json=body, headers={"cache-control": "no-cache"})
+            for attempt in range(RETRIES + 1):
+                r = await client.post("/v1/chat/completions", json=body, headers=NO_CACHE)
+                status[r.status_code] += 1
+                if r.status_code not in (429, 503) or attempt == RETRIES:
+                    break
+                # What the OpenAI SDKs do with a refusal: wait as told, then ask again.
+                retries += 1
+                await asyncio.sleep(min(float(r.headers.get("retry-after", "1")), RETRY_WAIT_CAP_S))
             latencies.append(time.perf_counter() - started)
-            status[r.status_code] += 1
             if r.status_code == 200:
+                answered += 1
                 tokens += r.json()["usage"]["completion_tokens"]
                 served.append((prompt, r.headers["x-router-tier"]))
                 rules[r.headers["x-router-rule"]] += 1
@@ -159,6 +174,9 @@ async def _phase(client: httpx.AsyncClient, clients: int, model: str, prompts: l
         "p90_latency_s": round(percentile(latencies, 0.9), 3),
         "tokens_per_s": round(tokens / wall, 1),
         "requests": len(prompts),
+        "answered": answered,
+        "goodput_rps": round(answered / wall, 3),
+        "retries": retries,
         "status": dict(status),
         "served": served,
         "rules": dict(rules.most_common(8)),
@@ -212,6 +230,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             mode: {
                 "wall_vs_large": round(large["wall_s"] / by[mode]["wall_s"], 3),
                 "mean_latency_vs_large": round(large["mean_latency_s"] / by[mode]["mean_latency_s"], 3),
+                "goodput_vs_large": round(by[mode]["goodput_rps"] / max(large["goodput_rps"], 1e-9), 3),
+                "answered": f"{by[mode]['answered']}/{by[mode]['requests']}",
             }
             for mode in ("static", "load_aware", "small")
         }
