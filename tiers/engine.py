@@ -266,8 +266,8 @@ class Engine:
         """A row's new tokens, out through ``_postprocess`` (the seam fault-injection tests use)."""
         self._postprocess(seq, tokens, logprobs)
 
-    def _postprocess(self, seq: Sequence, tokens: list[int], logprobs: list[Any] | None = None) -> None:
-        self.post.deliver(seq, tokens, logprobs)
+    def _postprocess(self, seq: Sequence, new_tokens: list[int], logprobs: list[Any] | None = None) -> None:
+        self.post.deliver(seq, new_tokens, logprobs)
 
     def fail(self, seq: Sequence, message: str) -> None:
         self.post.fail(seq, message)
