@@ -465,7 +465,10 @@ async def test_a_light_caller_is_served_within_steps_of_a_flood_and_every_output
     light = eng.submit(ps[8], greedy(40), caller="light")
     it = light.__aiter__()
     first = await anext(it)
-    assert eng.num_steps - steps <= 3, "the light request waited for the flood"
+    # Fairness admits it within a step or two; without it the first slot frees after a flood
+    # request's 40 tokens (~40 steps, ~80 behind the queued flood). The steps are counted when
+    # this coroutine resumes, so a busy event loop adds a few: 10 keeps both sides clear.
+    assert eng.num_steps - steps <= 10, "the light request waited for the flood"
     assert eng.scheduler.num_preemptions > before
     rest = [o async for o in it]
     assert first.token_ids + [t for o in rest for t in o.token_ids] == alone[8][0]
