@@ -35,7 +35,6 @@ import numpy as np
 
 from benchmarks.common import plot_path, write_json
 from classifier import ComplexityClassifier
-from classifier.evaluate import lofo_fitter
 from classifier.outcome_train import (
     DIFFICULTY_7B,
     DIFFICULTY_PAIR,
@@ -46,6 +45,7 @@ from classifier.outcome_train import (
     TOKENS_CONFIG,
     OutcomeConfig,
     fit_outcomes,
+    lofo_fitter,
     outcome_proba,
     training_rows,
 )

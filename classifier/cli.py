@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from classifier.evaluate import evaluate, evaluate_outcomes, format_families, format_report
-    from classifier.outcome_train import DIFFICULTY_PAIR
+    from classifier.outcome_train import DIFFICULTY_PAIR, lofo_fitter
 
     if args.outcomes is not None:
         files = list(args.outcomes)
@@ -110,7 +110,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                     pair=(pair or DIFFICULTY_PAIR) if _has_scores(path) else None,
                     compare=args.compare or [],
                     draws=args.bootstrap,
-                    lofo=args.lofo,
+                    lofo=lofo_fitter() if args.lofo else None,
                 )
         except (ValueError, FileNotFoundError) as exc:
             return _fail(str(exc))

@@ -23,7 +23,6 @@ __all__ = [
     "evaluate_outcomes",
     "format_families",
     "format_report",
-    "lofo_fitter",
 ]
 
 WARMUP_CALLS = 50
@@ -107,40 +106,6 @@ def format_report(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def lofo_fitter(
-    config: Any = None,
-    outcomes_path: str | Path | None = None,
-    difficulty_paths: Sequence[str | Path] | None = None,
-    extra_paths: Sequence[str | Path] | None = None,
-) -> Any:
-    """``fit_without(family)`` for :func:`classifier.validation.lofo_values`: the shipped training
-    recipe (MMLU outcomes, proxy corpus, difficulty_7b; ``config``) minus one family's rows."""
-    from classifier.outcome_train import (
-        DIFFICULTY_7B,
-        MMLU_OUTCOMES,
-        OUTCOME_CONFIG,
-        PROXY_PATH,
-        fit_outcomes,
-        outcome_proba,
-        training_rows,
-    )
-
-    cfg = config if config is not None else OUTCOME_CONFIG
-    base = Path(outcomes_path) if outcomes_path is not None else MMLU_OUTCOMES
-    rated = list(difficulty_paths) if difficulty_paths is not None else [DIFFICULTY_7B]
-    extra = list(extra_paths) if extra_paths is not None else [PROXY_PATH]
-    for path in [base, *rated, *extra]:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"leave-one-family-out training data not at {path}")
-
-    def fit_without(family: str) -> Any:
-        rows, weights, _, _ = training_rows(base, cfg, extra, (), rated, exclude_families=[family])
-        pipeline = fit_outcomes(rows, cfg, weights)
-        return lambda prompts: outcome_proba(pipeline, prompts)
-
-    return fit_without
-
-
 def evaluate_outcomes(
     data_path: str | Path,
     model_path: str | Path | None = None,
@@ -150,8 +115,7 @@ def evaluate_outcomes(
     pair: tuple[str, str] | None = None,
     compare: Sequence[str | Path] = (),
     draws: int = 200,
-    lofo: bool = False,
-    lofo_config: Any = None,
+    lofo: Any = None,
 ) -> dict[str, Any]:
     """RouteLLM's routing metrics of ``value`` on an outcome file (:mod:`classifier.outcomes`).
 
@@ -163,8 +127,9 @@ def evaluate_outcomes(
     ``families``: APGR per task family (and pooled) of this model, of every ``compare`` model
     (e.g. the previous artifact, side by side), of prompt length and random, with ``draws``
     bootstrap intervals; ``worst_family``: where each model does worst against length/random.
-    With ``lofo`` the shipped training recipe (``lofo_config``) is refitted without each family
-    and scored on it: ``lofo.families`` (same table) and ``lofo.worst_family``.
+    ``lofo``, a ``fit_without(family)`` (:func:`classifier.outcome_train.lofo_fitter`: the
+    shipped training recipe), refits without each family and scores it: ``lofo.families`` (same
+    table) and ``lofo.worst_family``. (Passed in, so evaluation never imports training.)
     """
     from classifier.inference import ComplexityClassifier
     from classifier.outcomes import heldout_subjects, load_outcomes, plot_curves, random_apgr, routing_metrics
@@ -196,8 +161,8 @@ def evaluate_outcomes(
         ]
     result["families"] = family_table(rows, routers, draws)
     result["worst_family"] = {name: worst_family(result["families"], name) for name in routers}
-    if lofo:
-        held_out = lofo_values(rows, lofo_fitter(lofo_config))
+    if lofo is not None:
+        held_out = lofo_values(rows, lofo)
         # No pooled row: each family is scored by another refit; their scores share no scale.
         table = family_table(rows, {"value": held_out}, draws, pooled=False)
         result["lofo"] = {"families": table, "worst_family": worst_family(table, "value")}

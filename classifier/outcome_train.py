@@ -65,6 +65,7 @@ __all__ = [
     "OutcomeConfig",
     "export_outcome_onnx",
     "fit_outcomes",
+    "lofo_fitter",
     "outcome_proba",
     "outcome_targets",
     "train_outcomes",
@@ -483,3 +484,27 @@ def train_outcomes(
         json.dumps(metadata, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
     return metadata
+
+
+def lofo_fitter(
+    config: Any = None,
+    outcomes_path: str | Path | None = None,
+    difficulty_paths: Sequence[str | Path] | None = None,
+    extra_paths: Sequence[str | Path] | None = None,
+) -> Any:
+    """``fit_without(family)`` for :func:`classifier.validation.lofo_values`: the shipped training
+    recipe (MMLU outcomes, proxy corpus, difficulty_7b; ``config``) minus one family's rows."""
+    cfg = config if config is not None else OUTCOME_CONFIG
+    base = Path(outcomes_path) if outcomes_path is not None else MMLU_OUTCOMES
+    rated = list(difficulty_paths) if difficulty_paths is not None else [DIFFICULTY_7B]
+    extra = list(extra_paths) if extra_paths is not None else [PROXY_PATH]
+    for path in [base, *rated, *extra]:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"leave-one-family-out training data not at {path}")
+
+    def fit_without(family: str) -> Any:
+        rows, weights, _, _ = training_rows(base, cfg, extra, (), rated, exclude_families=[family])
+        pipeline = fit_outcomes(rows, cfg, weights)
+        return lambda prompts: outcome_proba(pipeline, prompts)
+
+    return fit_without
