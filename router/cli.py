@@ -113,7 +113,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     policy = _load_policy(args.policy)
     if policy is None:
         return 2
-    clf = ComplexityClassifier.load(policy.service.classifier.path)
+    clf = ComplexityClassifier.load(policy.service.classifier.path, device=policy.service.classifier.device)
     score = clf.score(args.prompt)
     headers = dict(h.lower().split(":", 1) for h in args.header) if args.header else {}
     request = RouteRequest(

@@ -33,10 +33,10 @@ def _describe(clf: Any) -> dict[str, Any]:
     return {"path": str(getattr(clf, "path", None)), "version": getattr(clf, "version", None)}
 
 
-def _load(path: str | None) -> Any:
+def _load(path: str | None, device: str = "cpu") -> Any:
     from classifier import ComplexityClassifier
 
-    clf = ComplexityClassifier.load(path)
+    clf = ComplexityClassifier.load(path, device=device)
     clf.score(PROBE)  # fails here, not on the next user's request
     return clf
 
@@ -62,7 +62,7 @@ async def reload_classifier(request: Request[Any, Any, Any]) -> dict[str, Any]:
         path = service.policy.service.classifier.path
     previous = service.classifier
     try:
-        fresh = await asyncio.to_thread(_load, path)
+        fresh = await asyncio.to_thread(_load, path, service.policy.service.classifier.device)
     except Exception as exc:  # any load or probe failure: keep the current model
         raise BadRequestError(f"Could not load a classifier from {path!r}: {exc}", param="path") from None
     service.classifier = fresh

@@ -71,7 +71,8 @@ def make_lifespan(
         state.load_error = None
         state.worker = tiers.worker if tiers is not None and tiers.worker is not None else DeviceWorker()
         state.classifier_injected = classifier is not None
-        clf = classifier or ComplexityClassifier.load(policy.service.classifier.path)
+        wanted = policy.service.classifier
+        clf = classifier or ComplexityClassifier.load(wanted.path, device=wanted.device)
         service = RouterService(policy, clf, telemetry, tiers=None, cache=build_cache(policy, telemetry))
         state.service = service
         telemetry.watch_engines(

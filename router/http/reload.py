@@ -70,12 +70,13 @@ async def apply_policy(app: Any, new: Policy) -> None:
 
         cache = await asyncio.to_thread(build_cache, new, state.telemetry)
     classifier = service.classifier
-    if new.service.classifier.path != old_policy.service.classifier.path and not getattr(
+    if new.service.classifier != old_policy.service.classifier and not getattr(
         state, "classifier_injected", False
     ):
         from classifier import ComplexityClassifier
 
-        classifier = await asyncio.to_thread(ComplexityClassifier.load, new.service.classifier.path)
+        wanted = new.service.classifier
+        classifier = await asyncio.to_thread(ComplexityClassifier.load, wanted.path, device=wanted.device)
     tiers = old_tiers
     retired: list[Any] = []
     if old_tiers is not None and _needs_new_engines(old_policy, new):

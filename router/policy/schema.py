@@ -307,6 +307,10 @@ class ClassifierConfig:
     """Directory with ``model.onnx`` + ``metadata.json``; null = the shipped artifact."""
     context_chars: int = 2000
     """Characters of earlier turns scored with the last user turn."""
+    device: Literal["cpu", "auto", "cuda"] = "cpu"
+    """onnxruntime provider: ``cpu`` (the graph scores in ~0.2 ms on one thread; on a GPU node the
+    CUDA provider would open a second CUDA context and arena beside the tiers'), ``auto`` (CUDA
+    where a GPU is visible) or ``cuda``."""
 
 
 @dataclass(slots=True)
