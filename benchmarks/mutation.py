@@ -235,6 +235,18 @@ EQUIVALENT_CACHE: list[tuple[str, str, str]] = [
     (_CACHE, "sims = self.matrix[:n] @ vector.astype(self._np.float32, copy=True)", _FLOAT_ROWS),
     (
         _CACHE,
+        "too_long = len(text) >= MAX_TOKENS and len(text.split(maxsplit=MAX_TOKENS)) > MAX_TOKENS",
+        "a text of exactly MAX_TOKENS characters holds at most MAX_TOKENS/2 + 1 words, so the word "
+        "test is false there either way",
+    ),
+    (
+        _CACHE,
+        "self._skip_until = 1.0",
+        "time.monotonic() counts from boot on Linux; a service answers requests long after the "
+        "first second, where 0.0 and 1.0 both lie in the past",
+    ),
+    (
+        _CACHE,
         "n = None",
         "the extra rows are zeros (similarity 0) and the loader keeps the threshold in (0, 1]: an "
         "unused row is never the answer, and a live row clears the threshold or nothing does",

@@ -170,7 +170,9 @@ async def test_redis_failures_are_logged_with_their_operation_and_cause(
     client.fail = ConnectionError("connection refused")
     with caplog.at_level(logging.WARNING, logger="router.pipeline.cache"):
         assert await store.get("k") is None
-    assert "redis cache get failed (connection refused); treating as a miss for 2s" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        "redis cache get failed (connection refused); treating as a miss for 2s"
+    ]
     clock.now += 2.0  # the backoff window has passed (it ends at its last instant)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="router.pipeline.cache"):
@@ -182,7 +184,7 @@ async def test_redis_failures_are_logged_with_their_operation_and_cause(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="router.pipeline.cache"):
         assert await store.get("k") is None
-    assert "redis cache decode failed" in caplog.text
+    assert caplog.records[-1].getMessage().startswith("redis cache decode failed ('utf-8' codec can't decode")
     assert telemetry.errors == ["get", "set", "decode"]
 
 
@@ -197,7 +199,7 @@ async def test_closing_redis_closes_the_client_and_never_raises(
     client.fail = OSError("broken pipe")
     with caplog.at_level(logging.DEBUG, logger="router.pipeline.cache"):
         await store.aclose()
-    assert "redis close: broken pipe" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == ["redis close: broken pipe"]
 
 
 async def test_a_memory_entry_is_live_through_its_expiry_instant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,7 +322,9 @@ async def test_build_cache_wires_limits_telemetry_and_names_a_missing_env(
     monkeypatch.delenv("EDGE_REDIS_URL", raising=False)
     with caplog.at_level(logging.ERROR, logger="router.pipeline.cache"):
         fallback = build_cache(policy("{backend: redis, redis_url_env: EDGE_REDIS_URL, max_entries: 2}"))
-    assert "cache backend is redis but $EDGE_REDIS_URL is unset; using the in-process store" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        "cache backend is redis but $EDGE_REDIS_URL is unset; using the in-process store"
+    ]
     assert fallback is not None and isinstance(fallback.backend, MemoryStore)
     for k in ("a", "b", "c"):
         await fallback.backend.set(k, {"v": k}, 60.0)
@@ -330,3 +334,21 @@ async def test_build_cache_wires_limits_telemetry_and_names_a_missing_env(
     shared = build_cache(policy("{backend: redis, redis_url_env: EDGE_REDIS_URL}"), telemetry)  # type: ignore[arg-type]
     assert shared is not None and isinstance(shared.backend, RedisStore)
     assert shared.backend.telemetry is telemetry and shared.telemetry is telemetry
+
+
+def test_the_semantic_scope_is_dropped_only_past_the_embedders_window_in_words() -> None:
+    """Catches the word-count guard off, made inclusive, or applied on characters alone: a prompt
+    of more words than the embedder's window never matches semantically (its embedding would be
+    of a truncated head), one of exactly that many, or of long words, still does."""
+    from router.pipeline.embedder import MAX_TOKENS
+
+    cache = _semantic()
+
+    def scope(text: str) -> str | None:
+        key = cache.key(_chat([{"role": "user", "content": text}]), CTX, "small", POLICY)
+        assert key is not None
+        return key.scope
+
+    assert scope(" ".join(["w"] * (MAX_TOKENS + 1))) is None
+    assert scope(" ".join(["w"] * MAX_TOKENS)) is not None
+    assert scope(" ".join(["antidisestablishmentarianism"] * 20)) is not None  # > MAX_TOKENS chars
