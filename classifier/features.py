@@ -99,7 +99,8 @@ Rule = tuple[tuple[str, int], ...]
 
 
 class FamilyCounts(TokenCounts):
-    """Task family and length: ``[log1p(tokens), one-hot family, flags]`` from the gated group counts.
+    """Task family and length: ``[log1p(length), one-hot family, flags]`` from the gated group counts,
+    the length in word tokens or (``length_unit="chars"``) characters of the model text.
 
     The family is the domain group (of ``domains``) with the most hits, first on ties, none when
     no domain group counts anything; ``override`` = ``(family, rule)`` takes that family whenever
