@@ -76,6 +76,16 @@ class TierSet:
             )
         return costs
 
+    def batches(self) -> dict[str, tuple[int, int]]:
+        """Per local tier, ``(sequences it holds, batch slots)``: running, waiting and just
+        submitted, against ``max_num_seqs`` - what load-aware routing joins while there is room."""
+        out = {}
+        for name, b in self.tiers.items():
+            if isinstance(b, LocalTier):
+                load = b.engine.load(predicted=False)
+                out[name] = (load.num_running + load.num_waiting, load.max_num_seqs)
+        return out
+
     def counting_tokenizer(self) -> Any:
         """The tokenizer used to count prompt tokens for routing rules: the first local tier's."""
         for b in self.tiers.values():

@@ -182,11 +182,15 @@ class RouterService:
                 if policy.routing.mode == "load_aware" and self.tiers is not None
                 else {}
             )
-            decision = decide(policy, route_request, score, load, {t: c.total_s for t, c in costs.items()})
+            batches = self.tiers.batches() if costs and self.tiers is not None else {}
+            decision = decide(
+                policy, route_request, score, load, {t: c.total_s for t, c in costs.items()}, batches
+            )
             if costs:
                 span.set_attribute(
                     "router.costs", json.dumps({t: round(c.total_s, 4) for t, c in costs.items()})
                 )
+                span.set_attribute("router.batches", json.dumps(batches))
             span.set_attribute("router.tier", decision.tier)
             span.set_attribute("router.rule", decision.rule)
             span.set_attribute("router.reason", decision.reason)

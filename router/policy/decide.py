@@ -8,7 +8,9 @@ Order of evaluation:
    all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
    Load (``routing.mode: load_aware``): the rule's tier is a floor; among it and the tiers above
-   (the tenant's, not full), the one whose ``costs`` (the request's predicted completion plus the
+   (the tenant's, not full), the highest whose running batch has a free slot (``batches``: the
+   request joins work the device does anyway, and the tiers below drain instead of taking turns
+   with it); when none has, the one whose ``costs`` (the request's predicted completion plus the
    delay it adds to others on the shared device, ``tiers/pacing.py``) are lowest - a higher one
    while within ``up_tolerance`` of the lowest. The rule becomes ``load:<rule>`` when it moved.
 4. Session: a follow-up of a conversation that had a tier (``session``, see router/pipeline/session.py)
@@ -153,8 +155,9 @@ def _load_aware(
     tenant: str | None,
     costs: Mapping[str, float],
     full: Mapping[str, bool],
+    batches: Mapping[str, tuple[int, int]],
 ) -> tuple[str, str]:
-    """The cheapest acceptable tier at or above ``tier`` by ``costs``, and the reason's words."""
+    """The acceptable tier at or above ``tier`` that the load picks, and the reason's words."""
     order = policy.tier_names
     candidates = [
         t
@@ -163,6 +166,12 @@ def _load_aware(
     ]
     if not candidates or candidates == [tier]:
         return tier, ""  # nothing to choose: a full floor falls back along routing.fallback
+    if policy.routing.load_aware.join_running:
+        running = [t for t in candidates if 0 < batches.get(t, (0, 0))[0] < batches[t][1]]
+        if running:
+            pick = running[-1]
+            held, slots = batches[pick]
+            return pick, f"; load-aware: joins the running batch of '{pick}' ({held}/{slots} rows)"
     cheapest = min(costs[t] for t in candidates)
     tolerance = policy.routing.load_aware.up_tolerance
     pick = [t for t in candidates if costs[t] <= cheapest * (1 + tolerance)][-1]
@@ -181,10 +190,12 @@ def decide(
     score: ScoreLike,
     tier_load: Mapping[str, bool] | None = None,
     costs: Mapping[str, float] | None = None,
+    batches: Mapping[str, tuple[int, int]] | None = None,
 ) -> Decision:
     """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free.
     ``costs`` maps tier -> the price of this request there now (seconds; ``load_aware`` mode only,
-    tiers without one are not candidates)."""
+    tiers without one are not candidates); ``batches`` maps tier -> (sequences it holds, batch
+    slots), for ``load_aware``'s preference for a running batch with room."""
     full = tier_load or {}
     escalated = False
     session_changed: str | None = None
@@ -221,7 +232,7 @@ def decide(
                 reason += f"; escalated {tier} -> {above} (confidence {confidence:.2f} < {threshold})"
                 tier, escalated = above, True
         if policy.routing.mode == "load_aware" and costs and _load_eligible(policy, rule, used_score):
-            picked, why = _load_aware(policy, tier, request.tenant, costs, full)
+            picked, why = _load_aware(policy, tier, request.tenant, costs, full, batches or {})
             reason += why
             if picked != tier:
                 tier, rule = picked, f"load:{rule}"

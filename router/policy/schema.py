@@ -216,6 +216,11 @@ class LoadAwareConfig:
     up_tolerance: float = 0.05
     """A higher acceptable tier is preferred while its predicted cost is within this fraction of
     the cheapest: the same time buys the stronger model."""
+    join_running: bool = True
+    """Before pricing: the highest acceptable tier whose batch is running with a free slot takes
+    the request. The tiers take turns on one device, so a row added to a running batch costs a
+    sliver of a step, while every row kept on a lower tier keeps that tier's whole step in each
+    turn; pricing alone, one request at a time, keeps a batch that already split alive."""
 
 
 @dataclass(slots=True)

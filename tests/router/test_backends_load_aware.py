@@ -13,6 +13,7 @@ from router.policy.decide import RouteRequest, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig
 from tests.router.policy.test_decide import Score
+from tiers.request import EngineLoad
 
 POLICY = parse_policy(
     textwrap.dedent("""
@@ -55,6 +56,9 @@ class FakeEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.num_running > 0
+
+    def load(self, *, predicted: bool = True) -> EngineLoad:
+        return EngineLoad(self.scheduler.num_running, 0, self.max_num_seqs, 64, 0, 1)
 
     def decode_round(self, extra: int = 0) -> tuple[float, float] | None:
         b = min(self.max_num_seqs, self.scheduler.num_running + extra)
@@ -117,3 +121,16 @@ def test_unmeasured_and_remote_tiers_are_left_out() -> None:
     ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), Unmeasured(LARGE))
     costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=0)
     assert set(costs) == {"small", "medium"}
+
+
+def test_a_split_device_consolidates_into_the_highest_running_batch() -> None:
+    # Small and large both decode six rows. One more row prices almost the same on either (a
+    # sliver of a running step), so pricing alone keeps feeding small and the device stays split:
+    # every turn runs both steps. TierSet.batches lets decide() join large's batch; small drains.
+    ts = tierset(FakeEngine(SMALL, running=6), FakeEngine(MEDIUM), FakeEngine(LARGE, running=6))
+    assert route(ts).tier == "small"  # the prices alone
+    costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=20)
+    batches = ts.batches()
+    assert batches == {"small": (6, 16), "medium": (0, 16), "large": (6, 16)}
+    d = decide(POLICY, RouteRequest(), Score(0.1), {}, {t: c.total_s for t, c in costs.items()}, batches)
+    assert (d.tier, d.rule) == ("large", "load:score-small")

@@ -112,3 +112,61 @@ def test_load_aware_settings_are_validated_with_their_field_path() -> None:
     assert "routing.load_aware.up_tolerance" in text
     with pytest.raises(PolicyError, match=r"routing\.mode"):
         parse_policy(textwrap.dedent(YAML.replace("MODE", "fastest")))
+
+
+# -- a running batch with room takes the request before any pricing -------------------------------
+
+
+def joined(
+    costs: dict[str, float],
+    batches: dict[str, tuple[int, int]],
+    score: float = 0.1,
+    policy=LOAD_AWARE,
+    load=None,
+    **kw,
+):  # type: ignore[no-untyped-def]
+    return decide(policy, RouteRequest(**kw), Score(score), load, costs, batches)
+
+
+PRICES = {"small": 1.0, "medium": 1.5, "large": 2.0}  # pricing alone keeps the floor
+
+
+def test_the_highest_running_batch_with_room_takes_the_request() -> None:
+    # Catches: the lowest running batch picked (a split device stays split), or batches ignored.
+    d = joined(PRICES, {"small": (5, 16), "medium": (0, 16), "large": (3, 16)})
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+    assert "joins the running batch of 'large' (3/16 rows)" in d.reason
+    assert route(PRICES).tier == "small"  # the same prices without batches: the floor
+
+
+def test_a_batch_without_a_free_slot_is_not_joined() -> None:
+    d = joined(PRICES, {"small": (5, 16), "large": (16, 16)})
+    assert (d.tier, d.rule) == ("small", "score-small")
+    assert "joins the running batch of 'small'" in d.reason
+    # No batch running anywhere acceptable: the prices decide.
+    d = joined({"small": 2.0, "medium": 1.0, "large": 3.0}, {"small": (0, 16), "large": (16, 16)})
+    assert (d.tier, d.rule) == ("medium", "load:score-small")
+
+
+def test_a_running_batch_below_the_floor_or_outside_the_tenants_tiers_is_not_joined() -> None:
+    # Medium-scored: small's running batch is no candidate, so the prices pick among medium/large.
+    d = joined(PRICES, {"small": (5, 16)}, score=0.5)
+    assert (d.tier, d.rule) == ("medium", "score-medium")
+    # The 'free' tenant may not use large: its running batch is not joined.
+    d = joined(PRICES, {"large": (3, 16)}, tenant="free")
+    assert (d.tier, d.capped) == ("small", False)
+    # A full queue is no candidate either.
+    d = joined(PRICES, {"large": (3, 16)}, load={"large": True})
+    assert d.tier == "small"
+
+
+def test_join_running_off_leaves_the_choice_to_the_prices() -> None:
+    policy = parse_policy(
+        textwrap.dedent(
+            YAML.replace("MODE", "load_aware").replace("{up_tolerance: 0.1}", "{join_running: false}")
+        )
+    )
+    d = joined(PRICES, {"large": (3, 16)}, policy=policy)
+    assert (d.tier, d.rule) == ("small", "score-small")
+    # Static mode never joins either.
+    assert joined(PRICES, {"large": (3, 16)}, policy=STATIC).tier == "small"
