@@ -170,8 +170,8 @@ async def measure(policy_path: Path) -> dict[str, Any]:
             await asyncio.sleep(0.1)
         else:
             raise RuntimeError("the app never became ready")
-        for name, (path, body) in REQUESTS.items():
-            body = {**body, "max_tokens": MAX_TOKENS}
+        for name, (path, fields) in REQUESTS.items():
+            body = {**fields, "max_tokens": MAX_TOKENS}
             first = await client.post(path, json=body)  # warm: lazy imports, compiled templates
             first.raise_for_status()
             runs = []
