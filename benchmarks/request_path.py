@@ -159,7 +159,7 @@ async def measure(policy_path: Path) -> dict[str, Any]:
     app = create_app(policy_path, watch_policy=False)
     out: dict[str, Any] = {}
     # The app runs on this thread's loop (litestar's test clients run it on a portal thread).
-    transport = httpx.ASGITransport(app=app)
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]  # litestar types ASGI narrower
     async with (
         app.lifespan(),
         httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client,
