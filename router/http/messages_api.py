@@ -21,10 +21,9 @@ with ``stop_reason``, ``message_stop``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -33,15 +32,16 @@ from litestar import Request, Response, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
-from router.errors import (
-    BadRequestError,
-    ModelNotFoundError,
-    RouterError,
-    UnavailableError,
-    anthropic_error_body,
+from router.errors import BadRequestError, ModelNotFoundError, UnavailableError, anthropic_error_body
+from router.http.chat_bridge import (
+    EventTranslator,
+    answer_through_chat,
+    chat_request,
+    first_choice,
+    rename_param,
+    typed_event,
 )
-from router.http.responses_api import chat_chunks
-from router.http.routes import _ERRORS, _context, _respond, _service, error_response
+from router.http.routes import _ERRORS, _respond, _service, error_response
 from router.openai import api_types
 from router.openai.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
 from router.pipeline.calls import Completion
@@ -273,12 +273,7 @@ _PARAMS = {
 
 
 def _renamed(param: str | None) -> str | None:
-    if param is None:
-        return None
-    head, sep, rest = param.partition(".")
-    if head == "response_format":
-        return "output_config.format"
-    return _PARAMS.get(head, head) + sep + rest
+    return rename_param(param, _PARAMS, lambda _: "output_config.format")
 
 
 def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
@@ -307,13 +302,12 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
 
 def _convert(body: dict[str, Any]) -> ChatCompletionRequest:
     """The internal request; a value it cannot hold is a 400 naming the Messages API's field."""
-    try:
-        return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        where = text.split("at `$.", 1)[1].split("`", 1)[0] if "at `$." in text else "messages"
-        param = _renamed(where.split("[", 1)[0])
-        raise BadRequestError(f"{param}: {text}", param=param) from exc
+    return chat_request(body, _invalid)
+
+
+def _invalid(exc: msgspec.ValidationError, path: str | None) -> BadRequestError:
+    param = _renamed(path or "messages")
+    return BadRequestError(f"{param}: {exc}", param=param)
 
 
 # -- answer translation ---------------------------------------------------------------------------
@@ -357,14 +351,12 @@ def _tool_input(arguments: str) -> Any:
 
 
 def message_body(req: MessagesRequest, chat: dict[str, Any]) -> dict[str, Any]:
-    choice = chat["choices"][0]
-    message = choice["message"]
-    finish = choice.get("finish_reason")
-    text, stop_sequence = _split_stop(message.get("content") or "", finish, req.stop_sequences or [])
+    full_text, calls, finish = first_choice(chat)
+    text, stop_sequence = _split_stop(full_text, finish, req.stop_sequences or [])
     content: list[dict[str, Any]] = []
-    if text or not message.get("tool_calls"):
+    if text or not calls:
         content.append({"type": "text", "text": text})
-    for call in message.get("tool_calls") or []:
+    for call in calls:
         fn = call["function"]
         content.append(
             {
@@ -391,7 +383,7 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-class MessageEvents:
+class MessageEvents(EventTranslator):
     """Chat Completions chunks in, Anthropic's stream events out. Text that could be the start of a
     stop sequence is held back until it is known not to be one (the sequence is never sent)."""
 
@@ -402,13 +394,10 @@ class MessageEvents:
         self.block_type: str | None = None
         self.held = ""
         self.started = False
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
 
     @staticmethod
     def event(kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return typed_event(kind, {"type": kind, **fields})
 
     def _start(self) -> list[bytes]:
         self.started = True
@@ -454,7 +443,7 @@ class MessageEvents:
                     break
         return best
 
-    def _text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str) -> list[bytes]:
         out: list[bytes] = []
         if self.block_type != "text":
             out += self._open({"type": "text", "text": ""})
@@ -465,51 +454,42 @@ class MessageEvents:
             out.append(self._text_delta(send))
         return out
 
-    def chunk(self, payload: dict[str, Any]) -> list[bytes]:
+    def opening(self) -> list[bytes]:
+        return [] if self.started else self._start()
+
+    def call(self, delta: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
-        if payload.get("usage"):
-            self.usage = payload["usage"]
-        if not self.started:
-            out += self._start()
-        for choice in payload.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                fn = call.get("function") or {}
-                if call.get("id"):
-                    block: dict[str, Any] = {
-                        "type": "tool_use",
-                        "id": _tool_use_id(call["id"]),
-                        "name": fn.get("name") or "",
-                        "input": {},
-                    }
-                    out += self._open(block)
-                if fn.get("arguments") and self.block_type == "tool_use":
-                    out.append(
-                        self.event(
-                            "content_block_delta",
-                            index=self.block,
-                            delta={"type": "input_json_delta", "partial_json": fn["arguments"]},
-                        )
-                    )
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+        fn = delta.get("function") or {}
+        if delta.get("id"):
+            block: dict[str, Any] = {
+                "type": "tool_use",
+                "id": _tool_use_id(delta["id"]),
+                "name": fn.get("name") or "",
+                "input": {},
+            }
+            out += self._open(block)
+        if fn.get("arguments") and self.block_type == "tool_use":
+            out.append(
+                self.event(
+                    "content_block_delta",
+                    index=self.block,
+                    delta={"type": "input_json_delta", "partial_json": fn["arguments"]},
+                )
+            )
         return out
 
-    def end(self) -> list[bytes]:
+    def finish(self) -> list[bytes]:
         out = [] if self.started else self._start()
         stop_sequence = None
         if self.block_type == "text":
-            kept, stop_sequence = _split_stop(self.held, self.finish, self.stops)
+            kept, stop_sequence = _split_stop(self.held, self.finish_reason, self.stops)
             self.held = kept
         if self.block < 0:  # an empty answer is still one (empty) text block
             out += self._open({"type": "text", "text": ""})
         out += self._stop_block()
         usage = _usage(self.usage)
-        delta = {"stop_reason": _stop_reason(self.finish, stop_sequence), "stop_sequence": stop_sequence}
+        reason = _stop_reason(self.finish_reason, stop_sequence)
+        delta = {"stop_reason": reason, "stop_sequence": stop_sequence}
         out.append(self.event("message_delta", delta=delta, usage=usage))
         out.append(self.event("message_stop"))
         return out
@@ -518,38 +498,15 @@ class MessageEvents:
         return [self.event("error", **anthropic_error_body(500, str(error.get("message", ""))))]
 
 
-async def _events(events: MessageEvents, source: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
-    chunks = chat_chunks(source)
-    try:
-        async for payload in chunks:
-            if "error" in payload and "choices" not in payload:
-                for b in events.fail(payload["error"]):
-                    yield b
-                return
-            for b in events.chunk(payload):
-                yield b
-        for b in events.end():
-            yield b
-    finally:
-        await chunks.aclose()
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
 async def create_message(request: Request[Any, Any, Any], req: MessagesRequest) -> Completion:
     _validate(req)
-    chat = to_chat(req)
-    try:
-        result = await _service(request).chat(chat, _context(request))
-    except RouterError as exc:
-        exc.param = _renamed(exc.param)
-        raise
-    if result.stream is not None:
-        events = MessageEvents(req, result.headers.get("x-router-tier", req.model))
-        return Completion(result.headers, stream=_events(events, result.stream))
-    assert result.body is not None
-    return Completion(result.headers, body=message_body(req, result.body))
+    return await answer_through_chat(
+        request,
+        to_chat(req),
+        _renamed,
+        lambda chat: message_body(req, chat),
+        lambda model: MessageEvents(req, model),
+    )
 
 
 def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> int:
@@ -619,7 +576,7 @@ _ANTHROPIC_ERRORS = {
     exception_handlers={Exception: anthropic_error_response},
 )
 async def messages(request: Request[Any, Any, Any], data: MessagesRequest) -> Response[Any]:
-    return await _respond(request, asyncio.create_task(create_message(request, data)))
+    return await _respond(request, create_message(request, data))
 
 
 @post(

@@ -20,12 +20,11 @@ back into a ``response`` object or the Responses API's typed event stream.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +33,16 @@ from litestar import Request, Response, delete, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
-from router.errors import BadRequestError, ModelNotFoundError, RouterError
-from router.http.routes import _ERRORS, _context, _respond, _service
+from router.errors import BadRequestError, ModelNotFoundError
+from router.http.chat_bridge import (
+    EventTranslator,
+    answer_through_chat,
+    chat_request,
+    first_choice,
+    rename_param,
+    typed_event,
+)
+from router.http.routes import _ERRORS, _context, _respond
 from router.openai import api_types
 from router.openai.schemas import ChatCompletionRequest
 from router.pipeline.calls import Completion
@@ -327,13 +334,12 @@ _PARAMS = {
 
 def _renamed(param: str | None) -> str | None:
     """A chat field named in an error, as the Responses API calls it."""
-    if param is None:
-        return None
-    head, sep, rest = param.partition(".")
-    if head == "response_format":
-        rest = rest.removeprefix("json_schema.").removeprefix("json_schema")
-        return "text.format" + ("." + rest if rest else "")
-    return _PARAMS.get(head, head) + sep + rest
+    return rename_param(param, _PARAMS, _format_param)
+
+
+def _format_param(rest: str) -> str:
+    rest = rest.removeprefix("json_schema.").removeprefix("json_schema")
+    return "text.format" + ("." + rest if rest else "")
 
 
 def to_chat(
@@ -367,23 +373,15 @@ def to_chat(
     }
     if req.stream:
         body["stream_options"] = {"include_usage": True}
-    try:
-        chat = msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
-    except msgspec.ValidationError as exc:
-        raise BadRequestError(f"Invalid request: {exc}", param=_renamed(_path_of(exc))) from exc
-    return chat, conversation
+    return chat_request(body, _invalid), conversation
 
 
-def _path_of(exc: msgspec.ValidationError) -> str | None:
-    text = str(exc)
-    marker = "at `$."
-    if marker not in text:
-        return None
-    return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0]
+def _invalid(exc: msgspec.ValidationError, path: str | None) -> BadRequestError:
+    return BadRequestError(f"Invalid request: {exc}", param=_renamed(path))
 
 
 # -- answer translation ---------------------------------------------------------------------------
-def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+def _usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -453,7 +451,7 @@ def _envelope(req: ResponsesRequest, rid: str, created: int, model: str) -> dict
     }
 
 
-def _finish(body: dict[str, Any], finish_reason: str | None, usage: dict[str, Any] | None) -> None:
+def _finish(body: dict[str, Any], finish_reason: str | None, usage: Mapping[str, Any] | None) -> None:
     if finish_reason == "length":
         body["status"] = "incomplete"
         body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -482,59 +480,39 @@ def response_body(req: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]
     """A Chat Completions body as a ``response`` object."""
     created = int(chat.get("created") or time.time())
     body = _envelope(req, _item_id("resp"), created, chat["model"])
-    choice = chat["choices"][0]
-    message = choice["message"]
+    text, calls, finish_reason = first_choice(chat)
     output: list[dict[str, Any]] = []
-    if message.get("content") or not message.get("tool_calls"):
-        output.append(_message_item(_item_id("msg"), message.get("content") or ""))
-    for call in message.get("tool_calls") or []:
+    if text or not calls:
+        output.append(_message_item(_item_id("msg"), text))
+    for call in calls:
         fn = call["function"]
         output.append(_call_item(_item_id("fc"), call["id"], fn["name"], fn["arguments"]))
     body["output"] = output
-    _finish(body, choice.get("finish_reason"), chat.get("usage"))
+    _finish(body, finish_reason, chat.get("usage"))
     return body
 
 
-def chat_chunks(stream: AsyncIterator[bytes]) -> AsyncGenerator[dict[str, Any], None]:
-    """The JSON payloads of a Chat Completions SSE stream (``[DONE]`` ends it)."""
-
-    async def parse() -> AsyncGenerator[dict[str, Any], None]:
-        buffer = b""
-        async for data in stream:
-            buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data: "):
-                        payload = line[6:].strip()
-                        if payload == b"[DONE]":
-                            return
-                        yield json.loads(payload)
-
-    return parse()
-
-
-class ResponsesEvents:
+class ResponsesEvents(EventTranslator):
     """Chat Completions chunks in, the Responses API's typed events out (``sequence_number`` in
     order): ``response.created``, ``response.in_progress``, per item ``output_item.added`` ->
     deltas -> ``...done``, then ``response.completed`` (or ``response.incomplete`` at
     ``max_output_tokens``, ``response.failed`` on an error)."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
+    def __init__(
+        self, req: ResponsesRequest, model: str, on_done: Callable[[dict[str, Any]], object]
+    ) -> None:
         self.body = _envelope(req, _item_id("resp"), int(time.time()), model)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         """The item being streamed (its ``output_index`` is ``len(self.output)``)."""
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.on_done = on_done
+        """Called with the finished response object (the store keeps it)."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return typed_event(kind, payload)
 
     def start(self) -> list[bytes]:
         return [
@@ -568,7 +546,7 @@ class ResponsesEvents:
             self.event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def _text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str) -> list[bytes]:
         out: list[bytes] = []
         index = len(self.output)
         if self.open is None or self.open["type"] != "message":
@@ -600,7 +578,7 @@ class ResponsesEvents:
         )
         return out
 
-    def _call(self, delta: dict[str, Any]) -> list[bytes]:
+    def call(self, delta: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
         fn = delta.get("function") or {}
         if delta.get("id"):  # a new call starts
@@ -623,25 +601,9 @@ class ResponsesEvents:
             )
         return out
 
-    def chunk(self, payload: dict[str, Any]) -> list[bytes]:
-        out: list[bytes] = []
-        if payload.get("usage"):
-            self.usage = payload["usage"]
-        for choice in payload.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                out += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return out
-
     def finish(self) -> list[bytes]:
         # An empty answer is still one (empty) message, as in the non-streamed body.
-        out = self._text("") if not self.output and self.open is None else []
+        out = self.text("") if not self.output and self.open is None else []
         out += self._close()
         body = self.body
         body["output"] = self.output
@@ -650,7 +612,7 @@ class ResponsesEvents:
         out.append(self.event(kind, response=body))
         return out
 
-    def fail(self, error: dict[str, Any]) -> list[bytes]:
+    def fail(self, error: Mapping[str, Any]) -> list[bytes]:
         self.body["status"] = "failed"
         self.body["output"] = self.output
         self.body["error"] = {
@@ -664,31 +626,8 @@ class ResponsesEvents:
             self.event("response.failed", response=self.body),
         ]
 
-
-async def _events(
-    events: ResponsesEvents,
-    source: AsyncIterator[bytes],
-    on_done: Any,
-) -> AsyncGenerator[bytes, None]:
-    chunks = chat_chunks(source)
-    try:
-        for b in events.start():
-            yield b
-        async for payload in chunks:
-            if "error" in payload and "choices" not in payload:
-                for b in events.fail(payload["error"]):
-                    yield b
-                return
-            for b in events.chunk(payload):
-                yield b
-        for b in events.finish():
-            yield b
-        on_done(events.body)
-    finally:
-        await chunks.aclose()
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    def done(self) -> None:
+        self.on_done(self.body)
 
 
 async def create_response(
@@ -706,23 +645,19 @@ async def create_response(
             raise err
         history = prior.conversation
     chat, conversation = to_chat(req, history)
-    try:
-        result = await _service(request).chat(chat, _context(request))
-    except RouterError as exc:
-        exc.param = _renamed(exc.param)
-        raise
 
-    def remember(body: dict[str, Any]) -> None:
+    def remember(body: dict[str, Any]) -> dict[str, Any]:
         if req.store is not False:
             store.put(partition, body, [*conversation, *_assistant_turn(body["output"])])
+        return body
 
-    if result.stream is not None:
-        events = ResponsesEvents(req, result.headers.get("x-router-tier", req.model))
-        return Completion(result.headers, stream=_events(events, result.stream, remember))
-    assert result.body is not None
-    body = response_body(req, result.body)
-    remember(body)
-    return Completion(result.headers, body=body)
+    return await answer_through_chat(
+        request,
+        chat,
+        _renamed,
+        lambda chat_body: remember(response_body(req, chat_body)),
+        lambda model: ResponsesEvents(req, model, remember),
+    )
 
 
 # -- routes ---------------------------------------------------------------------------------------
@@ -738,8 +673,7 @@ async def create_response(
     },
 )
 async def create(request: Request[Any, Any, Any], data: ResponsesRequest) -> Response[Any]:
-    work = asyncio.create_task(create_response(request, data, _store(request)))
-    return await _respond(request, work)
+    return await _respond(request, create_response(request, data, _store(request)))
 
 
 @get(

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -68,8 +68,9 @@ def _context(request: Request[Any, Any, Any]) -> CallContext:
     )
 
 
-async def _respond(request: Request[Any, Any, Any], work: asyncio.Task[Completion]) -> Response[Any]:
-    """Await ``work`` while watching for a client disconnect, which cancels it (freeing the slot)."""
+async def _respond(request: Request[Any, Any, Any], answer: Coroutine[Any, Any, Completion]) -> Response[Any]:
+    """Run ``answer`` while watching for a client disconnect, which cancels it (freeing the slot)."""
+    work = asyncio.create_task(answer)
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,36 +118,34 @@ async def _wait_disconnect(request: Request[Any, Any, Any]) -> None:
 
 
 # -- routes ---------------------------------------------------------------------------------------
-@post(
+def _generation(path: str, summary: str, answer: type, description: str) -> Callable[[Any], Any]:
+    """The route of a generation endpoint: its 200 answer, and every error shape it can give."""
+    return post(
+        path,
+        status_code=HTTP_200_OK,
+        summary=summary,
+        responses={200: ResponseSpec(answer, description=description), **_ERRORS},
+    )
+
+
+@_generation(
     "/v1/chat/completions",
-    status_code=HTTP_200_OK,
-    summary="Create a chat completion (routed by complexity when model is 'auto')",
-    responses={
-        200: ResponseSpec(
-            api_types.ChatCompletion, description="Completion, or an SSE stream of chunks when stream=true"
-        ),
-        **_ERRORS,
-    },
+    "Create a chat completion (routed by complexity when model is 'auto')",
+    api_types.ChatCompletion,
+    "Completion, or an SSE stream of chunks when stream=true",
 )
 async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[Any]:
-    service = _service(request)
-    return await _respond(request, asyncio.create_task(service.chat(data, _context(request))))
+    return await _respond(request, _service(request).chat(data, _context(request)))
 
 
-@post(
+@_generation(
     "/v1/completions",
-    status_code=HTTP_200_OK,
-    summary="Create a text completion",
-    responses={
-        200: ResponseSpec(
-            api_types.TextCompletion, description="Completion, or an SSE stream when stream=true"
-        ),
-        **_ERRORS,
-    },
+    "Create a text completion",
+    api_types.TextCompletion,
+    "Completion, or an SSE stream when stream=true",
 )
 async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[Any]:
-    service = _service(request)
-    return await _respond(request, asyncio.create_task(service.complete(data, _context(request))))
+    return await _respond(request, _service(request).complete(data, _context(request)))
 
 
 @get("/v1/models", summary="List models: 'auto' plus every tier and alias")
