@@ -99,8 +99,10 @@ def probs_batch(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tens
             drop |= torch.arange(vocab)[None, :] >= ks[:, None]
         if any(tp < 1.0 for tp in top_p):
             sorted_p = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Drop a token when the mass strictly before it already reaches top_p (the first stays).
-            drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= torch.tensor(top_p, dtype=x.dtype)[:, None]
+            # Drop a token when the mass strictly before it already reaches top_p (the first stays);
+            # rows at top_p = 1 drop nothing (their cumulated mass can round to 1 before the tail).
+            tp = torch.tensor(top_p, dtype=x.dtype)[:, None]
+            drop |= ((sorted_p.cumsum(dim=-1) - sorted_p) >= tp) & (tp < 1.0)
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = x.softmax(dim=-1)
     min_p = torch.tensor([p.min_p if not p.is_greedy else 0.0 for p in params], dtype=probs.dtype)
