@@ -362,18 +362,3 @@ def completion_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def usage_body(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafted: int = 0, accepted: int = 0
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-    if drafted:
-        # Extension: speculative decoding stats of this response.
-        body["speculative"] = {"draft_tokens": drafted, "accepted_tokens": accepted}
-    return body

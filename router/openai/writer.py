@@ -1,5 +1,10 @@
-"""Turning engine outputs into OpenAI responses - one JSON body, or an SSE stream - and recording
-what each answer cost: usage, metrics, phase spans.
+"""The one writer of OpenAI answers: engine outputs in, one JSON body or an SSE stream out (live
+or replayed from the cache), with what each answer cost recorded - usage, metrics, phase spans.
+
+Every wire shape of a chat or text completion is assembled here - the envelope, stream chunks and
+their SSE framing, usage, the stream's guaranteed ``[DONE]`` - so an answer's bytes are written by
+one module; ``router.openai.choices`` shapes each choice's own items (content or tool calls,
+logprobs, finish reason) as its outputs arrive.
 
 ``ResponseWriter`` is an object the service owns. It knows nothing of the cache: a caller that
 wants a complete answer stored passes ``on_complete``, which runs once an answer finished with
@@ -9,8 +14,8 @@ wants a complete answer stored passes ``on_complete``, which runs once an answer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from router.errors import RouterError, UnavailableError
 from router.openai.choices import ChoiceBuilder, Merged, aggregate
 from router.openai.logprobs import TokenTexts
-from router.openai.schemas import completion_id, now, usage_body
-from router.openai.sse import SSEStream, completion_body, object_name, sse_event
+from router.openai.schemas import completion_id, now
 from router.openai.structured import OutputSpec
 from tiers.output import StepOutput
 from tiers.remote import RemoteError
@@ -30,15 +34,22 @@ if TYPE_CHECKING:
     from router.telemetry import Telemetry
 
 __all__ = [
+    "DONE",
     "NOTHING_SERVED",
     "RETRY_AFTER_S",
     "InFlight",
     "OnComplete",
     "ResponseWriter",
+    "SSEStream",
     "Served",
-    "aclose_quietly",
+    "completion_body",
     "remote_error",
+    "replay",
+    "sse_event",
+    "usage_body",
 ]
+
+log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1.0
 
@@ -80,6 +91,22 @@ class InFlight:
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One answer being written: its request and decision, its merged outputs and choices, and
+    what its end reports (span attributes, the prompt's length when no output says it, the
+    store)."""
+
+    gen: Generation
+    d: Decision
+    served: Served
+    merged: Merged
+    choices: list[ChoiceBuilder]
+    span_attrs: dict[str, Any]
+    prompt_hint: int
+    on_complete: OnComplete | None
 
 
 class ResponseWriter:
@@ -200,13 +227,26 @@ class ResponseWriter:
         return body
 
     @staticmethod
-    def _failure(gen: Generation, choices: list[ChoiceBuilder]) -> StepOutput | None:
+    def _failure(choices: list[ChoiceBuilder]) -> StepOutput | None:
         for c in choices:
             if c.last is not None and c.last.finish_reason in ("error", "abort"):
                 return c.last
         return None
 
-    async def collect(
+    def _settle(
+        self,
+        gen: Generation,
+        d: Decision,
+        choices: list[ChoiceBuilder],
+        span_attrs: dict[str, Any],
+        prompt_hint: int,
+    ) -> tuple[StepOutput, str, dict[str, Any]]:
+        """A whole answer's accounting, recorded: ``(total, every choice's text, usage body)``."""
+        total = aggregate(choices)
+        text = "".join(c.text for c in choices)
+        return total, text, self._finish_record(gen, d, total, "ok", span_attrs, prompt_hint, text)
+
+    async def answer(
         self,
         gen: Generation,
         d: Decision,
@@ -217,69 +257,11 @@ class ResponseWriter:
         served: Served = NOTHING_SERVED,
         timeout_s: float,
         on_complete: OnComplete | None = None,
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any] | None, AsyncIterator[bytes] | None]:
+        """``(body, None)`` for a collected answer, ``(None, SSE stream)`` for a streamed one; the
+        first output must come within ``timeout_s`` (waiting for a slot counts)."""
         merged = Merged(source if isinstance(source, list) else [source])
         choices = self._choices(gen, served)
-        self._enter()
-        try:
-            index, out = await self._first(merged, timeout_s)
-            while True:
-                if index < len(choices):
-                    choices[index].add(out)
-                failed = self._failure(gen, choices)
-                if failed is not None:
-                    break
-                try:
-                    index, out = await anext(merged)
-                except StopAsyncIteration:
-                    break
-                except RemoteError as exc:
-                    raise remote_error(exc) from exc
-            failed = self._failure(gen, choices)
-            if failed is not None and failed.finish_reason == "error":
-                self._count(gen, d, "error")
-                raise RouterError(
-                    f"Generation failed: {failed.error or 'internal error'}", code="generation_error"
-                )
-            if failed is not None:
-                self._count(gen, d, "cancelled")
-                raise UnavailableError(
-                    "Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S
-                )
-            total = aggregate(choices)
-            text = "".join(c.text for c in choices)
-            usage = self._finish_record(gen, d, total, "ok", span_attrs, prompt_hint, text)
-            kept = _best(gen, choices)
-            body = self._envelope(gen, served, completion_id(_prefix(gen)), now(), d.tier, stream=False)
-            body["choices"] = [dict(c.body(), index=i) for i, c in enumerate(kept)]
-            body["usage"] = usage
-            spec = gen.output
-            plain = spec is None or spec.is_plain
-            if on_complete is not None and plain and total.finish_reason == "stop":
-                await on_complete(body)
-            return body
-        finally:
-            # Left even when the close is itself cancelled (anyio re-delivers a cancelled scope's
-            # cancellation at every await): otherwise draining would wait for this request forever.
-            try:
-                await merged.aclose()
-            finally:
-                self._leave()
-
-    async def sse(
-        self,
-        gen: Generation,
-        d: Decision,
-        source: AsyncIterator[StepOutput] | list[AsyncIterator[StepOutput]],
-        span_attrs: dict[str, Any],
-        prompt_hint: int,
-        *,
-        served: Served = NOTHING_SERVED,
-        timeout_s: float,
-        on_complete: OnComplete | None = None,
-    ) -> AsyncIterator[bytes]:
-        # Wait for the first token before the response starts, so a queue timeout is still a 503.
-        merged = Merged(source if isinstance(source, list) else [source])
         self._enter()
         try:
             first = await self._first(merged, timeout_s)
@@ -289,23 +271,53 @@ class ResponseWriter:
             finally:
                 self._leave()
             raise
-        return SSEStream(
-            self._sse_body(gen, served, d, merged, first, span_attrs, prompt_hint, on_complete), self._leave
-        )
+        answer = _Answer(gen, d, served, merged, choices, span_attrs, prompt_hint, on_complete)
+        if gen.stream:
+            # The first token came before the response starts, so a queue timeout is still a 503.
+            return None, SSEStream(self._sse_body(answer, first), self._leave)
+        try:
+            return await self._collect(answer, first), None
+        finally:
+            # Left even when the close is itself cancelled (anyio re-delivers a cancelled scope's
+            # cancellation at every await): otherwise draining would wait for this request forever.
+            try:
+                await merged.aclose()
+            finally:
+                self._leave()
 
-    async def _sse_body(
-        self,
-        gen: Generation,
-        served: Served,
-        d: Decision,
-        merged: Merged,
-        first: tuple[int, StepOutput],
-        span_attrs: dict[str, Any],
-        prompt_hint: int,
-        on_complete: OnComplete | None,
-    ) -> AsyncGenerator[bytes, None]:
-        envelope = self._envelope(gen, served, completion_id(_prefix(gen)), now(), d.tier, stream=True)
-        choices = self._choices(gen, served)
+    async def _collect(self, a: _Answer, first: tuple[int, StepOutput]) -> dict[str, Any]:
+        gen, d, merged, choices = a.gen, a.d, a.merged, a.choices
+        index, out = first
+        while True:
+            if index < len(choices):
+                choices[index].add(out)
+            if self._failure(choices) is not None:
+                break
+            try:
+                index, out = await anext(merged)
+            except StopAsyncIteration:
+                break
+            except RemoteError as exc:
+                raise remote_error(exc) from exc
+        failed = self._failure(choices)
+        if failed is not None and failed.finish_reason == "error":
+            self._count(gen, d, "error")
+            raise _generation_failed(failed)
+        if failed is not None:
+            self._count(gen, d, "cancelled")
+            raise UnavailableError("Generation was cancelled.", code="cancelled", retry_after=RETRY_AFTER_S)
+        total, _, usage = self._settle(gen, d, choices, a.span_attrs, a.prompt_hint)
+        kept = _best(gen, choices)
+        body = self._envelope(gen, a.served, completion_id(_prefix(gen)), now(), d.tier, stream=False)
+        body["choices"] = [dict(c.body(), index=i) for i, c in enumerate(kept)]
+        body["usage"] = usage
+        if a.on_complete is not None and _storable(gen, total):
+            await a.on_complete(body)
+        return body
+
+    async def _sse_body(self, a: _Answer, first: tuple[int, StepOutput]) -> AsyncGenerator[bytes, None]:
+        gen, d, merged, choices, prompt_hint = a.gen, a.d, a.merged, a.choices, a.prompt_hint
+        envelope = self._envelope(gen, a.served, completion_id(_prefix(gen)), now(), d.tier, stream=True)
         options = gen.request.stream_options
         # vLLM's continuous_usage_stats: each chunk carries the usage so far (all choices together).
         running: dict[int, StepOutput] | None = (
@@ -329,10 +341,7 @@ class ResponseWriter:
                     running[index] = out
                 if out.finish_reason == "error":
                     self._count(gen, d, "error")
-                    err = RouterError(
-                        f"Generation failed: {out.error or 'internal error'}", code="generation_error"
-                    )
-                    yield sse_event(err.to_body())
+                    yield sse_event(_generation_failed(out).to_body())
                     return
                 if out.finish_reason == "abort":
                     self._count(gen, d, "cancelled")
@@ -351,20 +360,26 @@ class ResponseWriter:
                 except RemoteError as exc:
                     yield sse_event(remote_error(exc).to_body())
                     return
-            total = aggregate(choices)
-            text = "".join(c.text for c in choices)
-            usage = self._finish_record(gen, d, total, "ok", span_attrs, prompt_hint, text)
+            total, text, usage = self._settle(gen, d, choices, a.span_attrs, prompt_hint)
             if gen.include_usage:
                 yield sse_event({**envelope, "choices": [], "usage": usage})
-            yield b"data: [DONE]\n\n"
-            spec = gen.output
-            if on_complete is not None and (spec is None or spec.is_plain) and total.finish_reason == "stop":
+            yield DONE
+            if a.on_complete is not None and _storable(gen, total):
                 body = completion_body(gen.kind, d.tier, text, total.finish_reason, usage)
-                if served.system_fingerprint:
-                    body["system_fingerprint"] = served.system_fingerprint
-                await on_complete(body)
+                if a.served.system_fingerprint:
+                    body["system_fingerprint"] = a.served.system_fingerprint
+                await a.on_complete(body)
         finally:
             await merged.aclose()  # client gone mid-stream: this aborts the engine requests
+
+
+def _generation_failed(out: StepOutput) -> RouterError:
+    return RouterError(f"Generation failed: {out.error or 'internal error'}", code="generation_error")
+
+
+def _storable(gen: Generation, total: StepOutput) -> bool:
+    """Only plain answers that ended by themselves are stored (see ``OnComplete``)."""
+    return (gen.output is None or gen.output.is_plain) and total.finish_reason == "stop"
 
 
 def _usage_so_far(latest: dict[int, StepOutput], prompt_hint: int) -> dict[str, Any]:
@@ -393,13 +408,6 @@ def _best(gen: Generation, choices: list[ChoiceBuilder]) -> list[ChoiceBuilder]:
     return sorted(ranked, key=lambda c: c.index)
 
 
-async def aclose_quietly(source: AsyncIterator[StepOutput]) -> None:
-    close = getattr(source, "aclose", None)
-    if close is not None:
-        with contextlib.suppress(Exception):
-            await close()
-
-
 def remote_error(exc: RemoteError) -> RouterError:
     """An upstream failure as the client should see it (see ``tiers.remote``): a 4xx keeps its
     status, error body and Retry-After; unavailable/timed out is a 503; anything else a 502."""
@@ -423,3 +431,179 @@ def remote_error(exc: RemoteError) -> RouterError:
     err = RouterError(str(exc), code="upstream_error")
     err.status_code = 502
     return err
+
+
+# -- wire shapes ----------------------------------------------------------------------------------
+DONE = b"data: [DONE]\n\n"
+
+
+def usage_body(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafted: int = 0, accepted: int = 0
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if drafted:
+        # Extension: speculative decoding stats of this response.
+        body["speculative"] = {"draft_tokens": drafted, "accepted_tokens": accepted}
+    return body
+
+
+def object_name(kind: str, *, chunk: bool) -> str:
+    if kind == "chat":
+        return "chat.completion.chunk" if chunk else "chat.completion"
+    return "text_completion"
+
+
+def chunk(kind: str, cid: str, created: int, model: str, delta: Any, finish: str | None) -> dict[str, Any]:
+    """One streamed chunk: ``delta`` is a chat delta dict, or the text for completions."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    choice["delta" if kind == "chat" else "text"] = delta
+    return {
+        "id": cid,
+        "object": object_name(kind, chunk=True),
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def completion_body(
+    kind: str, model: str, text: str, finish: str | None, usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The non-streaming response body."""
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    cid = completion_id("chatcmpl" if kind == "chat" else "cmpl")
+    return {
+        "id": cid,
+        "object": object_name(kind, chunk=False),
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+async def replay(kind: str, body: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    """A stored answer as the same SSE sequence a live stream produces (the cache stores plain
+    one-choice text answers only: no tool calls, logprobs or n > 1)."""
+    cid, created, model = body["id"], body["created"], body["model"]
+    extra = {"system_fingerprint": body["system_fingerprint"]} if body.get("system_fingerprint") else {}
+    first = body["choices"][0]
+    text = first["message"]["content"] if kind == "chat" else first["text"]
+
+    def event(delta: Any, finish: str | None) -> bytes:
+        return sse_event({**chunk(kind, cid, created, model, delta, finish), **extra})
+
+    if kind == "chat":
+        yield event({"role": "assistant", "content": ""}, None)
+    yield event({"content": text} if kind == "chat" else text, None)
+    yield event({} if kind == "chat" else "", first["finish_reason"])
+    if include_usage:
+        usage_chunk = {"id": cid, "object": object_name(kind, chunk=True), "created": created, "model": model}
+        yield sse_event({**usage_chunk, **extra, "choices": [], "usage": body["usage"]})
+    yield DONE
+
+
+_ERROR_PREFIX = b'data: {"error"'
+
+
+class SSEStream:
+    """An SSE body whose end is accounted exactly once, however the response ends, and whose
+    last event is always ``[DONE]``.
+
+    The HTTP layer may drop a response before iterating it (the client left while the first token
+    was being produced); an async generator that never started runs no ``finally``, so the
+    in-flight count would leak. ``on_close`` runs on exhaustion, on ``aclose()``, or at the latest
+    when the object is collected. (The engine request itself is aborted by the source generator's
+    own cleanup, which asyncio runs for started generators that are dropped.)
+
+    Once the first byte is out the status is 200 for good, so every failure after it must be told
+    in the stream: a body that raises gets an OpenAI error event, and one that ends without
+    ``[DONE]`` (an engine abort, an error event it wrote itself) gets the missing error event and
+    ``[DONE]``, so a client never mistakes a cut answer for a whole one, nor waits for more.
+    """
+
+    def __init__(self, body: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        self._body = body
+        self._on_close: Callable[[], None] | None = on_close
+        self._tail: list[bytes] = []
+        self._ended = False
+        self._done = False
+        self._errored = False
+
+    def __aiter__(self) -> SSEStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._tail:
+            return self._tail.pop(0)
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            data = await anext(self._body)
+        except StopAsyncIteration:
+            await self.aclose()
+            self._end(None)
+            if not self._tail:
+                raise
+            return self._tail.pop(0)
+        except Exception as exc:
+            await self.aclose()
+            self._end(exc)
+            return self._tail.pop(0)
+        except BaseException:  # cancelled, or closed by the server: nobody is reading any more
+            await self.aclose()
+            raise
+        if data == DONE:
+            self._done = True
+        elif data.startswith(_ERROR_PREFIX):
+            self._errored = True
+        return data
+
+    def _end(self, exc: Exception | None) -> None:
+        """Queue what the stream still owes its client: an error event unless one was sent, then
+        ``[DONE]`` unless it was."""
+        self._ended = True
+        if self._done:
+            return
+        if not self._errored:
+            if isinstance(exc, RouterError):
+                err: RouterError = exc
+            elif exc is not None:
+                log.error("stream failed after its first byte", exc_info=exc)
+                err = RouterError("The answer failed mid-stream.", code="stream_error")
+            else:
+                err = UnavailableError("The answer was cut short: generation was aborted.", code="aborted")
+            self._tail.append(sse_event(err.to_body()))
+        self._tail.append(DONE)
+        self._done = True
+
+    def _close_sync(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()
+        finally:
+            self._close_sync()
+
+    def __del__(self) -> None:
+        self._close_sync()

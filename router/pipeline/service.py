@@ -24,9 +24,8 @@ from router.openai.schemas import (
     validate_chat,
     validate_completion,
 )
-from router.openai.sse import replay
 from router.openai.structured import chat_messages, output_spec
-from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served
+from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, replay
 from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
 from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation, Routed
 from router.pipeline.limits import TenantLimiter, check_limits
@@ -439,19 +438,7 @@ class RouterService:
         timeout_s = policy.service.queue_timeout_s
         if routed.deadline_s is not None:
             timeout_s = min(timeout_s, routed.deadline_s)
-        if gen.stream:
-            stream = await self.writer.sse(
-                gen,
-                d,
-                source,
-                span_attrs,
-                prompt_tokens_hint,
-                served=served,
-                timeout_s=timeout_s,
-                on_complete=on_complete,
-            )
-            return Completion(headers, stream=stream)
-        body = await self.writer.collect(
+        body, stream = await self.writer.answer(
             gen,
             d,
             source,
@@ -461,7 +448,7 @@ class RouterService:
             timeout_s=timeout_s,
             on_complete=on_complete,
         )
-        return Completion(headers, body=body)
+        return Completion(headers, body=body, stream=stream)
 
     async def _submit(
         self, tiers: TierSet, tier: str, gen: Generation, prompt_tokens: int, policy: Policy

@@ -94,8 +94,7 @@ async def test_the_writer_leaves_in_flight_when_its_close_is_cancelled(stream: b
     # Before: the count stayed at 1 and a drain waited for a request that no longer existed.
     writer, in_flight, gen, d = writer_and_generation(stream=stream)
     slow = SlowClose()
-    write = writer.sse if stream else writer.collect
-    task = asyncio.create_task(write(gen, d, slow, {}, 1, timeout_s=30))
+    task = asyncio.create_task(writer.answer(gen, d, slow, {}, 1, timeout_s=30))
     await asyncio.sleep(0.01)
     assert in_flight.count == 1
     await cancel_twice(task, slow)
