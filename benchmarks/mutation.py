@@ -43,13 +43,17 @@ MODULES: dict[str, list[str]] = {
     "tiers/scheduler.py": [
         "tests/tiers/test_scheduler.py",
         "tests/tiers/test_scheduler_properties.py",
+        "tests/tiers/test_scheduler_output.py",
     ],
     "tiers/speculative.py": [
         "tests/tiers/test_speculative.py",
+        "tests/tiers/test_speculative_rule.py",
+        "tests/tiers/test_sampling_speculative.py",
         "-k",
-        "accept_batch or controller or ngram_proposer or k_not_in_use",
+        "accept_batch or controller or ngram_proposer or k_not_in_use"
+        " or speculative_rule or sampling_speculative",
     ],
-    "tiers/sampling.py": ["tests/tiers/test_sampling.py"],
+    "tiers/sampling.py": ["tests/tiers/test_sampling.py", "tests/tiers/test_sampling_speculative.py"],
     "router/pipeline/cache.py": [
         "tests/router/test_cache.py",
         "tests/router/test_cache_edges.py",
@@ -252,8 +256,155 @@ EQUIVALENT_CACHE: list[tuple[str, str, str]] = [
         "unused row is never the answer, and a live row clears the threshold or nothing does",
     ),
 ]
+_SA = "tiers/sampling.py"
+_DIM = "the tensor is [rows, V] (2-D): dim +1 is dim -1"
+_INF = 'float() parses "inf" case-insensitively: "-INF" is -inf'
+_F32 = (
+    "torch's default dtype is float32, the dtype of every logits tensor the runner hands the "
+    "sampler: the same tensor there (only a float64 caller could tell)"
+)
+_GREEDY = (
+    "greedy rows' laws are replaced by the one-hot at their raw argmax at the end, whatever "
+    "temperature, top-k, top-p or min-p they went through"
+)
+_TOP_K_OFF = (
+    "top_k = 1 is greedy, 0 and >= vocab keep every token (ks = vocab drops none): the filter only "
+    "changes rows with 1 < top_k < vocab"
+)
+_IDENTITY = "the sort/scatter round trip without a drop is an exact identity"
+_RENORM = (
+    "dividing a softmax output by its own sum (~1) moves it by float rounding only, below what "
+    "any draw or comparison resolves"
+)
+EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
+    (_SA, "if not c.is_contiguous() or c.dim() != 2 or c.shape[+1] != width or c.data_ptr() != nxt:", _DIM),
+    (_SA, "width = first.shape[+1]", _DIM + " (chunks are [m, V]; a non-2-D first chunk is copied anyway)"),
+    (
+        _SA,
+        "return first.as_strided((total, width), (width, 1), None)",
+        "as_strided's storage_offset=None keeps the input's own offset: first.storage_offset()",
+    ),
+    (
+        _SA,
+        "return first.as_strided((total, width), (width, 1), )",
+        "as_strided's storage_offset defaults to the input's own offset: first.storage_offset()",
+    ),
+    (_SA, "vocab = logits.shape[+1]", _DIM),
+    (
+        _SA,
+        "logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(None)",
+        "to(None) keeps the bool tensor, and float * bool gives the same values as float * float",
+    ),
+    (
+        _SA,
+        "ids = torch.tensor(list(prompt_ids) + list(output_ids), dtype=None)",
+        "the list holds ints and is never empty (a Sequence refuses an empty prompt): int64 either way",
+    ),
+    (
+        _SA,
+        "ids = torch.tensor(list(prompt_ids) + list(output_ids), )",
+        "the list holds ints and is never empty (a Sequence refuses an empty prompt): int64 either way",
+    ),
+    (
+        _SA,
+        "logits >= 0, logits / params.repetition_penalty, logits * params.repetition_penalty",
+        "at 0 both branches give 0",
+    ),
+    (_SA, "return (probs / noise.clamp_(min=1e-20)).argmax(dim=+1)", _DIM),
+    (_SA, "probs = x.softmax(dim=+1)", _DIM),
+    (_SA, "onehot = torch.zeros_like(probs).scatter_(+1, logits.argmax(dim=-1, keepdim=True), 1.0)", _DIM),
+    (_SA, "onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=+1, keepdim=True), 1.0)", _DIM),
+    (_SA, "sorted_x, order = torch.sort(x, dim=+1, descending=True)", _DIM),
+    (_SA, "sorted_x, order = torch.sort(x, descending=True)", "torch.sort's dim defaults to -1"),
+    (_SA, 'sorted_p = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=+1)', _DIM),
+    (_SA, 'sorted_p = sorted_x.masked_fill(drop, float("-INF")).softmax(dim=-1)', _INF),
+    (_SA, 'x = x.scatter(+1, order, sorted_x.masked_fill(drop, float("-inf")))', _DIM),
+    (_SA, 'x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-INF")))', _INF),
+    (_SA, "keep = probs >= min_p[:, None] * probs.amax(dim=+1, keepdim=True)", _DIM),
+    (_SA, "probs = probs / probs.sum(dim=+1, keepdim=True)", _DIM),
+    (_SA, 'lg[j].masked_fill_(~m, float("-INF"))', _INF),
+    (
+        _SA,
+        "temps = torch.tensor([p.temperature if (not p.is_greedy) or True else 1.0"
+        " for p in params], dtype=logits.dtype)",
+        _GREEDY,
+    ),
+    (
+        _SA,
+        "temps = torch.tensor([p.temperature if not p.is_greedy else 2.0"
+        " for p in params], dtype=logits.dtype)",
+        _GREEDY,
+    ),
+    (_SA, "top_p = [p.top_p if (not p.is_greedy) or True else 1.0 for p in params]", _GREEDY),
+    (_SA, "top_p = [p.top_p if not p.is_greedy else 2.0 for p in params]", _GREEDY),
+    (
+        _SA,
+        "min_p = torch.tensor([p.min_p if (not p.is_greedy) or True else 0.0"
+        " for p in params], dtype=probs.dtype)",
+        _GREEDY + "; rows at min_p = 0 are only renormalised: " + _RENORM,
+    ),
+    (
+        _SA,
+        "min_p = torch.tensor([p.min_p if not p.is_greedy else 1.0 for p in params], dtype=probs.dtype)",
+        _GREEDY + "; rows at min_p = 0 are only renormalised: " + _RENORM,
+    ),
+    (
+        _SA,
+        "if bool((min_p >= 0).any()):",
+        "rows at min_p = 0 keep every token and are only renormalised: " + _RENORM,
+    ),
+    (
+        _SA,
+        "top_k = [p.top_k if (0 < p.top_k < vocab and not p.is_greedy) or True else 0 for p in params]",
+        _TOP_K_OFF + "; " + _GREEDY,
+    ),
+    (_SA, "top_k = [p.top_k if 0 < p.top_k < vocab or not p.is_greedy else 0 for p in params]", _TOP_K_OFF),
+    (_SA, "top_k = [p.top_k if 1 < p.top_k < vocab and not p.is_greedy else 0 for p in params]", _TOP_K_OFF),
+    (_SA, "top_k = [p.top_k if 0 <= p.top_k < vocab and not p.is_greedy else 0 for p in params]", _TOP_K_OFF),
+    (_SA, "top_k = [p.top_k if 0 < p.top_k <= vocab and not p.is_greedy else 0 for p in params]", _TOP_K_OFF),
+    (_SA, "if any(top_k) or any(tp <= 1.0 for tp in top_p):", _IDENTITY),
+    (_SA, "if any(top_k) or any(tp < 2.0 for tp in top_p):", _IDENTITY),
+    (
+        _SA,
+        "if any(tp <= 1.0 for tp in top_p):",
+        "rows at top_p = 1 drop nothing (the `& (tp < 1.0)` guard): " + _IDENTITY,
+    ),
+    (
+        _SA,
+        "if any(tp < 2.0 for tp in top_p):",
+        "rows at top_p = 1 drop nothing (the `& (tp < 1.0)` guard): " + _IDENTITY,
+    ),
+    (
+        _SA,
+        "drop = torch.arange(vocab)[None, :] >= ks[:, None]",
+        "drop is all False just before: = and |= agree",
+    ),
+    (
+        _SA,
+        "temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], dtype=None)",
+        _F32,
+    ),
+    (_SA, "temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], )", _F32),
+    (_SA, "min_p = torch.tensor([p.min_p if not p.is_greedy else 0.0 for p in params], dtype=None)", _F32),
+    (_SA, "min_p = torch.tensor([p.min_p if not p.is_greedy else 0.0 for p in params], )", _F32),
+    (_SA, "tp = torch.tensor(top_p, dtype=None)[:, None]", _F32),
+    (_SA, "tp = torch.tensor(top_p, )[:, None]", _F32),
+    (
+        _SA,
+        "values = torch.tensor([b for t, b in bias if 0 <= t < vocab], dtype=None)",
+        _F32,
+    ),
+    (_SA, "values = torch.tensor([b for t, b in bias if 0 <= t < vocab], )", _F32),
+    (
+        _SA,
+        "block = torch.empty((len(unseeded), probs.shape[1]), dtype=None).exponential_(generator=shared)",
+        _F32,
+    ),
+    (_SA, "block = torch.empty((len(unseeded), probs.shape[1]), ).exponential_(generator=shared)", _F32),
+]
 EQUIVALENT: list[tuple[str, str, str]] = [
     *EQUIVALENT_BLOCK_MANAGER,
+    *EQUIVALENT_SAMPLING,
     *EQUIVALENT_DECIDE,
     *EQUIVALENT_CACHE,
     (
@@ -328,6 +479,32 @@ def _changed_line(diff: str) -> str:
     return plus[0] if plus else ""
 
 
+def _equivalent_reason(module: str, line: str) -> str | None:
+    return next((why for mod, mutated, why in EQUIVALENT if mod == module and mutated == line), None)
+
+
+def reclassify(res: dict[str, Any], module: str) -> dict[str, Any]:
+    """Apply today's ``EQUIVALENT`` to a module's recorded survivors and equivalents (no mutmut
+    run): what a new entry, or one that no longer applies, does to the score."""
+    survived, equivalent = [], []
+    for entry in [*res["survivors"], *res["equivalents"]]:
+        plain = {k: v for k, v in entry.items() if k != "reason"}
+        reason = _equivalent_reason(module, plain["mutated_line"])
+        if reason is None:
+            survived.append(plain)
+        else:
+            equivalent.append({**plain, "reason": reason})
+    scored = res["mutants"] - len(equivalent)
+    return {
+        **res,
+        "survived": len(survived),
+        "equivalent": len(equivalent),
+        "score": round(res["killed"] / scored, 4) if scored else None,
+        "survivors": survived,
+        "equivalents": equivalent,
+    }
+
+
 def run_module(
     module: str, tests: list[str], *, examples: int, children: int, timeout_s: float
 ) -> dict[str, Any]:
@@ -364,9 +541,7 @@ def run_module(
                 [str(mutmut), "show", key], cwd=work, env=env, capture_output=True, text=True, check=False
             ).stdout
             line = _changed_line(shown)
-            reason = next(
-                (why for mod, mutated, why in EQUIVALENT if mod == module and mutated == line), None
-            )
+            reason = _equivalent_reason(module, line)
             entry = {"mutant": key, "exit_code": code, "mutated_line": line, "diff": shown.strip()}
             if reason is not None:
                 equivalent.append({**entry, "reason": reason})
@@ -395,10 +570,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--children", type=int, default=2, help="mutants run at once")
     parser.add_argument("--timeout-s", type=float, default=2400.0, help="bound on one module's run")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--reclassify",
+        action="store_true",
+        help="re-apply EQUIVALENT to the results already in --out (no mutmut run)",
+    )
     args = parser.parse_args(argv)
     modules = args.modules or list(MODULES)
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
     results.setdefault("modules", {})
+    if args.reclassify:
+        for module in modules:
+            if module in results["modules"]:
+                res = results["modules"][module] = reclassify(results["modules"][module], module)
+                print(
+                    f"{module}: {res['survived']} survived, {res['equivalent']} equivalent: "
+                    f"score {res['score']}"
+                )
+        args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+        return 0
     for module in modules:
         print(f"{module}: mutating...", flush=True)
         res = run_module(
