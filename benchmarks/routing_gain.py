@@ -7,6 +7,9 @@ the prompts (the list twice at 48 clients, so every client has work); at each lo
 modes run back to back in a rotating order so a drift in the machine's speed does not favour one.
 The two ``auto`` modes are the default policy with ``routing.mode`` set to ``static`` or
 ``load_aware``: the server hot-reloads the file between phases (routing only: the engines stay).
+Before the first measured phase every tier serves the prompts once at 1 and at 16 clients
+(unmeasured): the speculation controller and the pacing model learn their step costs online, and
+a cold first phase was 20-30 % slower than the same phase later, whichever mode it was.
 
 Clients behave like the OpenAI SDKs: a 429/503 is retried after its Retry-After, twice. Reported
 per load and mode: wall time, mean and p90 latency (retries included), completion tokens per
@@ -38,7 +41,7 @@ from benchmarks.common import machine, percentile, plot_path, serve, write_json
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64
 # A refused request (429/503) is retried as the OpenAI SDKs do: after Retry-After (capped), twice.
-RETRIES = 2
+RETRIES = 10
 RETRY_WAIT_CAP_S = 5.0
 NO_CACHE = {"cache-control": "no-cache"}
 MODES = ("static", "load_aware", "small", "large")
@@ -183,6 +186,13 @@ async def _phase(client: httpx.AsyncClient, clients: int, model: str, prompts: l
     }
 
 
+async def _warm_up(client: httpx.AsyncClient, tiers: list[str]) -> None:
+    for tier in tiers:
+        print(f"warm-up {tier}", flush=True)
+        await _phase(client, 1, tier, PROMPTS[:6])
+        await _phase(client, 16, tier, PROMPTS)
+
+
 async def run(policy: Path, loads: list[int], port: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         live = Path(tmp) / "policy.yaml"
@@ -191,6 +201,7 @@ async def run(policy: Path, loads: list[int], port: int) -> dict[str, Any]:
             async with httpx.AsyncClient(base_url=url, timeout=600) as client:
                 await _await_policy(client, hashlib.sha256(live.read_bytes()).hexdigest()[:12])
                 floors = await _floors(client)
+                await _warm_up(client, list(yaml.safe_load(policy.read_text())["tiers"]))
                 order = list(floors)
                 rows = []
                 for i, clients in enumerate(loads):

@@ -46,6 +46,7 @@ class Forecast:
             kv_tokens=sched.num_kv_tokens(),
             kv_capacity=sched.blocks.num_blocks * sched.blocks.block_size,
             predicted_wait_s=self.predicted_wait(None) if predicted else 0.0,
+            submitted=self.intake.submitted,
         )
 
     def check_room(self, tier: str, prompt_tokens: int, n: int) -> None:

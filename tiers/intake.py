@@ -34,6 +34,9 @@ class Intake:
         """Those requests per caller: a caller's share counts its own, not a flood's."""
         self.caller_tokens: Counter[str] = Counter()
         """And their prompt tokens: a caller's own earlier requests run before its new one."""
+        self.submitted = 0
+        """Requests submitted since the engine started (monotonic; n > 1 counts once): how a
+        router that decided for this engine sees its decision land."""
 
     def qsize(self) -> int:
         return self._inbox.qsize()
@@ -71,6 +74,7 @@ class Intake:
             wait = None if items else predicted
             items.append(Tracked(seq, RequestHandle(engine, seq, loop), detok, gen, predicted_wait=wait))
         self.add(items)
+        self.submitted += 1
         return items
 
     def add(self, items: list[Tracked]) -> None:

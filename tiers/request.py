@@ -47,6 +47,8 @@ class EngineLoad:
     predicted_wait_s: float = 0.0
     """The engine's estimate of how long a request submitted now waits for its first token
     (queue ahead of it, measured step times); admission compares it with the request's deadline."""
+    submitted: int = 0
+    """Requests submitted since the engine started (monotonic; n > 1 counts once)."""
 
     @property
     def is_full(self) -> bool:

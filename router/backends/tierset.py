@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,10 @@ __all__ = ["TierSet", "build_tiers"]
 
 log = logging.getLogger(__name__)
 
+DECIDED_TTL_S = 2.0
+"""How long a load-aware decision counts toward its tier's batch before its request reaches the
+engine: preparing a request (tokenization, cache lookup, grammar) takes milliseconds to a second."""
+
 
 @dataclass
 class TierSet:
@@ -39,6 +44,12 @@ class TierSet:
     worker: DeviceWorker | None
     models: dict[tuple[Any, ...], LoadedModel] = field(default_factory=dict)
     ready: bool = False
+    _decided: dict[str, deque[float]] = field(default_factory=dict)
+    """Per local tier, when requests routed to it in load-aware mode were decided, until its
+    engine's submission count shows them (oldest first): between the decision and the submission
+    a request awaits its tokenization and the cache, and a burst of decisions made meanwhile must
+    see the batch the earlier ones are about to join."""
+    _landed: dict[str, int] = field(default_factory=dict)
 
     def get(self, name: str) -> Backend:
         return self.tiers[name]
@@ -76,15 +87,38 @@ class TierSet:
             )
         return costs
 
-    def batches(self) -> dict[str, tuple[int, int]]:
-        """Per local tier, ``(sequences it holds, batch slots)``: running, waiting and just
-        submitted, against ``max_num_seqs`` - what load-aware routing joins while there is room."""
+    def batches(self, now: float | None = None) -> dict[str, tuple[int, int]]:
+        """Per local tier, ``(sequences it holds, batch slots)``: running, waiting, just
+        submitted and decided but not yet submitted (``decided``), against ``max_num_seqs`` - what
+        load-aware routing joins while there is room."""
+        now = time.monotonic() if now is None else now
         out = {}
         for name, b in self.tiers.items():
             if isinstance(b, LocalTier):
                 load = b.engine.load(predicted=False)
-                out[name] = (load.num_running + load.num_waiting, load.max_num_seqs)
+                held = load.num_running + load.num_waiting + self._pending(name, load.submitted, now)
+                out[name] = (held, load.max_num_seqs)
         return out
+
+    def decided(self, tier: str, now: float | None = None) -> None:
+        """A request was routed to ``tier`` and will be submitted shortly (load-aware mode)."""
+        b = self.tiers.get(tier)
+        if isinstance(b, LocalTier):
+            now = time.monotonic() if now is None else now
+            self._pending(tier, b.engine.load(predicted=False).submitted, now)  # sync before adding
+            self._decided[tier].append(now)
+
+    def _pending(self, name: str, submitted: int, now: float) -> int:
+        """Decisions for ``name`` its engine has not received yet. Each submission the engine
+        counted since the last look lands the oldest; one that never comes (a cache hit, an
+        error, a client gone) is forgotten after ``DECIDED_TTL_S``."""
+        times = self._decided.setdefault(name, deque())
+        landed, self._landed[name] = submitted - self._landed.get(name, submitted), submitted
+        for _ in range(min(landed, len(times))):
+            times.popleft()
+        while times and now - times[0] > DECIDED_TTL_S:
+            times.popleft()
+        return len(times)
 
     def counting_tokenizer(self) -> Any:
         """The tokenizer used to count prompt tokens for routing rules: the first local tier's."""

@@ -190,6 +190,8 @@ class RouterService:
                     "router.costs", json.dumps({t: round(c.total_s, 4) for t, c in costs.items()})
                 )
                 span.set_attribute("router.batches", json.dumps(batches))
+            if batches and self.tiers is not None and request is not None and not decision.rejected:
+                self.tiers.decided(decision.tier)  # /v1/route (no request) submits nothing
             span.set_attribute("router.tier", decision.tier)
             span.set_attribute("router.rule", decision.rule)
             span.set_attribute("router.reason", decision.reason)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.backends.local import LocalTier
-from router.backends.tierset import TierSet
+from router.backends.tierset import DECIDED_TTL_S, TierSet
 from router.policy.decide import RouteRequest, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig
@@ -53,12 +53,15 @@ class FakeEngine:
         self.scheduler = FakeScheduler(running)
         self.pace = FakePace()
         self.max_num_seqs = max_num_seqs
+        self.submitted = 0
 
     def has_work(self) -> bool:
         return self.scheduler.num_running > 0
 
     def load(self, *, predicted: bool = True) -> EngineLoad:
-        return EngineLoad(self.scheduler.num_running, 0, self.max_num_seqs, 64, 0, 1)
+        return EngineLoad(
+            self.scheduler.num_running, 0, self.max_num_seqs, 64, 0, 1, submitted=self.submitted
+        )
 
     def decode_round(self, extra: int = 0) -> tuple[float, float] | None:
         b = min(self.max_num_seqs, self.scheduler.num_running + extra)
@@ -134,3 +137,28 @@ def test_a_split_device_consolidates_into_the_highest_running_batch() -> None:
     assert batches == {"small": (6, 16), "medium": (0, 16), "large": (6, 16)}
     d = decide(POLICY, RouteRequest(), Score(0.1), {}, {t: c.total_s for t, c in costs.items()}, batches)
     assert (d.tier, d.rule) == ("large", "load:score-small")
+
+
+def test_a_burst_of_decisions_sees_the_batch_its_earlier_decisions_are_about_to_join() -> None:
+    # Catches: batches counted from the engines alone. A burst's decisions all happen before any
+    # of its requests is submitted (they await tokenization and the cache in between), so each
+    # saw an idle device and the burst split over every tier's floor.
+    small, large = FakeEngine(SMALL), FakeEngine(LARGE)
+    ts = tierset(small, FakeEngine(MEDIUM), large)
+    ts.decided("large", now=0.0)
+    assert ts.batches(now=0.1) == {"small": (0, 16), "medium": (0, 16), "large": (1, 16)}
+    costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=20)
+    d = decide(
+        POLICY, RouteRequest(), Score(0.1), {}, {t: c.total_s for t, c in costs.items()}, ts.batches(now=0.1)
+    )
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+    # The engine counts the submission: the decision has landed and is not counted twice.
+    ts.decided("large", now=0.2)
+    large.submitted, large.scheduler.num_running = 1, 1
+    assert ts.batches(now=0.3)["large"] == (2, 16)
+    large.submitted, large.scheduler.num_running = 2, 2
+    assert ts.batches(now=0.4)["large"] == (2, 16)
+    # A decision whose request never arrives (a cache hit, an error) is forgotten after the TTL.
+    ts.decided("small", now=1.0)
+    assert ts.batches(now=1.0 + DECIDED_TTL_S - 0.01)["small"] == (1, 16)
+    assert ts.batches(now=1.0 + DECIDED_TTL_S + 0.01)["small"] == (0, 16)
