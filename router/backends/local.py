@@ -25,6 +25,7 @@ from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
 
 if TYPE_CHECKING:
+    from router.openai.structured import OutputSpec
     from router.policy.schema import TierConfig
 
 __all__ = [
@@ -195,11 +196,7 @@ def choice_params(backend: LocalTier, gen: Generation, base: SamplingParams) -> 
             try:
                 constraint = compiler_for(backend.tokenizer).constraint(spec.grammar)
             except GrammarError as exc:
-                raise BadRequestError(
-                    f"The {spec.grammar_param} schema cannot be enforced: {exc}",
-                    param=spec.grammar_param,
-                    code="invalid_schema",
-                ) from exc
+                raise _unenforceable(spec, exc) from exc
         seed = base.seed + i if base.seed is not None and i else base.seed
         params.append(dataclasses.replace(base, constraint=constraint, seed=seed))
     return params
@@ -290,9 +287,13 @@ async def prepare_local_async(
                 code="limit_exceeded",
             ) from None
         except GrammarError as exc:
-            raise BadRequestError(
-                f"The {spec.grammar_param} schema cannot be enforced: {exc}",
-                param=spec.grammar_param,
-                code="invalid_schema",
-            ) from exc
+            raise _unenforceable(spec, exc) from exc
     return await asyncio.to_thread(prepare_local, backend, gen)
+
+
+def _unenforceable(spec: OutputSpec, exc: Exception) -> BadRequestError:
+    return BadRequestError(
+        f"The {spec.grammar_param} schema cannot be enforced: {exc}",
+        param=spec.grammar_param,
+        code="invalid_schema",
+    )

@@ -1,10 +1,16 @@
 """The one writer of OpenAI answers: engine outputs in, one JSON body or an SSE stream out (live
 or replayed from the cache), with what each answer cost recorded - usage, metrics, phase spans.
 
-Every wire shape of a chat or text completion is assembled here - the envelope, stream chunks and
-their SSE framing, usage, the stream's guaranteed ``[DONE]`` - so an answer's bytes are written by
-one module; ``router.openai.choices`` shapes each choice's own items (content or tool calls,
-logprobs, finish reason) as its outputs arrive.
+Every wire shape of a chat or text completion is assembled here - the envelope, each choice's
+items (message content or ``tool_calls``, ``logprobs`` objects, ``finish_reason``), stream chunks
+and their SSE framing, usage, the stream's guaranteed ``[DONE]`` - so an answer's bytes are
+written by one module, which reaches out only for leaf helpers (token logprobs, tool-call
+parsing) and, once the answer ends, telemetry. It is long for that reason: split, one answer's
+outputs would bounce between modules at every token.
+
+Local tiers give one output stream per choice (``Engine.submit_n``) with token logprobs; remote
+tiers give one stream whose outputs carry their choice ``index`` and the upstream's own
+tool-call deltas and logprobs objects, passed through unchanged.
 
 ``ResponseWriter`` is an object the service owns. It knows nothing of the cache: a caller that
 wants a complete answer stored passes ``on_complete``, which runs once an answer finished with
@@ -14,17 +20,18 @@ wants a complete answer stored passes ``on_complete``, which runs once an answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.errors import RouterError, UnavailableError
-from router.openai.choices import ChoiceBuilder, Merged, aggregate
-from router.openai.logprobs import TokenTexts
+from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from router.openai.schemas import completion_id, now
 from router.openai.structured import OutputSpec
+from router.openai.tools import ToolCallStreamer, parse_tool_calls
 from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
@@ -37,11 +44,14 @@ __all__ = [
     "DONE",
     "NOTHING_SERVED",
     "RETRY_AFTER_S",
+    "ChoiceBuilder",
     "InFlight",
+    "Merged",
     "OnComplete",
     "ResponseWriter",
     "SSEStream",
     "Served",
+    "aggregate",
     "completion_body",
     "remote_error",
     "replay",
@@ -293,12 +303,10 @@ class ResponseWriter:
                 choices[index].add(out)
             if self._failure(choices) is not None:
                 break
-            try:
-                index, out = await anext(merged)
-            except StopAsyncIteration:
+            following = await _next(merged)
+            if following is None:
                 break
-            except RemoteError as exc:
-                raise remote_error(exc) from exc
+            index, out = following
         failed = self._failure(choices)
         if failed is not None and failed.finish_reason == "error":
             self._count(gen, d, "error")
@@ -354,12 +362,13 @@ class ResponseWriter:
                         for item in c.final_items():
                             yield event([item])
                 try:
-                    index, out = await anext(merged)
-                except StopAsyncIteration:
-                    break
-                except RemoteError as exc:
-                    yield sse_event(remote_error(exc).to_body())
+                    following = await _next(merged)
+                except RouterError as err:
+                    yield sse_event(err.to_body())
                     return
+                if following is None:
+                    break
+                index, out = following
             total, text, usage = self._settle(gen, d, choices, a.span_attrs, prompt_hint)
             if gen.include_usage:
                 yield sse_event({**envelope, "choices": [], "usage": usage})
@@ -371,6 +380,17 @@ class ResponseWriter:
                 await a.on_complete(body)
         finally:
             await merged.aclose()  # client gone mid-stream: this aborts the engine requests
+
+
+async def _next(merged: Merged) -> tuple[int, StepOutput] | None:
+    """The next ``(choice index, output)``, None once every source ended; an upstream failure as
+    the client should see it."""
+    try:
+        return await anext(merged)
+    except StopAsyncIteration:
+        return None
+    except RemoteError as exc:
+        raise remote_error(exc) from exc
 
 
 def _generation_failed(out: StepOutput) -> RouterError:
@@ -431,6 +451,249 @@ def remote_error(exc: RemoteError) -> RouterError:
     err = RouterError(str(exc), code="upstream_error")
     err.status_code = 502
     return err
+
+
+# -- choices --------------------------------------------------------------------------------------
+class Merged:
+    """``(choice index, output)`` pairs from one stream per choice, in arrival order, or from a
+    single stream whose outputs say their own index (a remote tier). Ends when every stream has."""
+
+    def __init__(self, sources: list[AsyncIterator[StepOutput]]) -> None:
+        self.sources = sources
+        self._queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._live = len(sources)
+
+    def __aiter__(self) -> Merged:
+        return self
+
+    async def _pump(self, index: int, source: AsyncIterator[StepOutput]) -> None:
+        try:
+            async for out in source:
+                self._queue.put_nowait((index, out))
+        except BaseException as exc:  # handed to the reader, which raises it
+            self._queue.put_nowait((index, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self._queue.put_nowait((index, None))
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        if len(self.sources) == 1:
+            out = await anext(self.sources[0])  # StopAsyncIteration ends us too
+            return out.index, out
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.sources)]
+        while self._live:
+            index, item = await self._queue.get()
+            if item is None:
+                self._live -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return index, item
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        # Every source is closed (each close aborts its engine request), even if this task is
+        # cancelled while closing one of them; the cancellation is raised after the last.
+        cancelled: asyncio.CancelledError | None = None
+        for source in self.sources:
+            close = getattr(source, "aclose", None)
+            if close is None:
+                continue
+            try:
+                await close()
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+            except Exception:
+                pass
+        if cancelled is not None:
+            raise cancelled
+
+
+@dataclass
+class _RemoteCall:
+    id: str | None = None
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class ChoiceBuilder:
+    """The state of one choice. ``add`` returns the stream chunks' ``choices`` items it makes."""
+
+    index: int
+    kind: str  # chat | completion
+    spec: OutputSpec
+    texts: TokenTexts | None
+    prompt_text: str = ""
+    """The prompt, for completions ``echo``."""
+    parts: list[str] = field(default_factory=list)
+    entries: list[Any] = field(default_factory=list)
+    wire_logprobs: list[Any] = field(default_factory=list)
+    remote_calls: dict[int, _RemoteCall] = field(default_factory=dict)
+    last: StepOutput | None = None
+    streamer: ToolCallStreamer | None = None
+    streamed_calls: bool = False
+    _offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind == "chat" and self.spec.parses_tool_calls:
+            self.streamer = ToolCallStreamer(self.spec.tools)
+        if self.spec.echo:
+            self._offset = len(self.prompt_text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+    @property
+    def mean_logprob(self) -> float:
+        if not self.entries:
+            return float("-inf")
+        return sum(e.logprob for e in self.entries) / len(self.entries)
+
+    def _logprobs_of(self, out: StepOutput) -> Any:
+        if out.wire_logprobs is not None:
+            return out.wire_logprobs
+        if self.spec.logprobs is None or not out.logprobs or self.texts is None:
+            return None
+        if self.kind == "chat":
+            return {"content": chat_logprobs(self.texts, out.logprobs, self.spec.logprobs), "refusal": None}
+        lp = completion_logprobs(self.texts, list(out.logprobs), self.spec.logprobs, self._offset)
+        self._offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else self._offset
+        return lp
+
+    def add(self, out: StepOutput) -> list[dict[str, Any]]:
+        self.last = out
+        if out.text:
+            self.parts.append(out.text)
+        if out.logprobs:
+            self.entries.extend(out.logprobs)
+        logprobs = self._logprobs_of(out)
+        if logprobs is not None:
+            self.wire_logprobs.append(logprobs)
+        items: list[dict[str, Any]] = []
+        if self.kind != "chat":
+            if out.text or logprobs is not None:
+                items.append(self._item(out.text, logprobs))
+            return items
+        deltas: list[dict[str, Any]] = []
+        if out.tool_calls:
+            self._add_remote_calls(out.tool_calls)
+            deltas.append({"tool_calls": out.tool_calls})
+        if self.streamer is not None:
+            deltas.extend(self.streamer.feed(out.text, final=out.finish_reason is not None))
+        elif out.text:
+            deltas.append({"content": out.text})
+        if any("tool_calls" in d for d in deltas):
+            self.streamed_calls = True
+        for i, delta in enumerate(deltas):
+            items.append(self._item(delta, logprobs if i == 0 else None))
+        if not deltas and logprobs is not None:
+            items.append(self._item({}, logprobs))
+        return items
+
+    def _add_remote_calls(self, calls: list[dict[str, Any]]) -> None:
+        for c in calls:
+            call = self.remote_calls.setdefault(int(c.get("index", 0)), _RemoteCall())
+            call.id = c.get("id") or call.id
+            fn = c.get("function") or {}
+            call.name += fn.get("name") or ""
+            call.arguments += fn.get("arguments") or ""
+
+    def _item(self, delta: Any, logprobs: Any, finish: str | None = None) -> dict[str, Any]:
+        item: dict[str, Any] = {"index": self.index}
+        item["delta" if self.kind == "chat" else "text"] = delta
+        item["logprobs"] = logprobs
+        item["finish_reason"] = finish
+        return item
+
+    def finish_reason(self, has_calls: bool) -> str | None:
+        reason = self.last.finish_reason if self.last is not None else None
+        # OpenAI: "tool_calls" when the model called a tool; a call cut by max_tokens stays "length".
+        return "tool_calls" if has_calls and reason == "stop" else reason
+
+    def first_items(self) -> list[dict[str, Any]]:
+        """Stream chunks that open the choice: the role (chat), the echoed prompt (completions)."""
+        if self.kind == "chat":
+            return [self._item({"role": "assistant", "content": ""}, None)]
+        if self.spec.echo and self.prompt_text:
+            return [self._item(self.prompt_text, None)]
+        return []
+
+    def final_items(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if self.streamer is not None:
+            for delta in self.streamer.feed("", final=True):
+                items.append(self._item(delta, None))
+                self.streamed_calls = self.streamed_calls or "tool_calls" in delta
+        has_calls = self.streamed_calls or bool(self.remote_calls)
+        items.append(self._item({} if self.kind == "chat" else "", None, self.finish_reason(has_calls)))
+        return items
+
+    def body(self) -> dict[str, Any]:
+        """The choice of a non-streamed answer."""
+        text = self.text
+        logprobs: Any = None
+        if self.kind == "chat":
+            if self.wire_logprobs:
+                content: list[Any] = []
+                for lp in self.wire_logprobs:
+                    content.extend((lp or {}).get("content") or [])
+                logprobs = {"content": content, "refusal": None}
+            calls: list[dict[str, Any]] = []
+            content_text: str | None = text
+            if self.remote_calls:
+                calls = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for _, c in sorted(self.remote_calls.items())
+                ]
+            elif self.spec.parses_tool_calls:
+                content_text, calls = parse_tool_calls(text, self.spec.tools)
+            message: dict[str, Any] = {"role": "assistant", "content": content_text, "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+            return {
+                "index": self.index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason(bool(calls)),
+            }
+        if self.wire_logprobs:
+            logprobs = merge_completion_logprobs(self.wire_logprobs)
+        if self.spec.echo:
+            text = self.prompt_text + text
+        finish = self.finish_reason(False)
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def aggregate(choices: list[ChoiceBuilder]) -> StepOutput:
+    """One ``StepOutput`` with the whole answer's accounting: the prompt once, every choice's
+    generated, drafted and accepted tokens summed; timings of the first choice."""
+    lasts = [c.last for c in choices if c.last is not None]
+    first = lasts[0] if lasts else StepOutput("", [])
+    return StepOutput(
+        text="",
+        token_ids=[],
+        finish_reason=first.finish_reason,
+        num_prompt_tokens=max((o.num_prompt_tokens for o in lasts), default=0),
+        num_output_tokens=sum(o.num_output_tokens for o in lasts),
+        num_cached_tokens=max((o.num_cached_tokens for o in lasts), default=0),
+        num_draft_tokens=sum(o.num_draft_tokens for o in lasts),
+        num_accepted_tokens=sum(o.num_accepted_tokens for o in lasts),
+        timings=first.timings,
+    )
 
 
 # -- wire shapes ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""router/openai/tools.py, structured.py, logprobs.py and choices.py without a server:
+"""router/openai/tools.py, structured.py, logprobs.py and the writer's choices without a server:
 the generic tool template, the call grammar, parsing and streaming of calls, strict
 schemas, logprobs objects, and choice assembly from remote deltas."""
 
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from router.errors import BadRequestError
-from router.openai.choices import ChoiceBuilder, Merged
 from router.openai.json_schema import check_strict_schema, close_objects
 from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from router.openai.schemas import ChatCompletionRequest, ChatMessage, validate_chat
@@ -27,6 +26,7 @@ from router.openai.tools import (
     render_messages,
     tool_grammar,
 )
+from router.openai.writer import ChoiceBuilder, Merged
 from tiers.grammar import GrammarCompiler, compiler_for
 from tiers.output import StepOutput, TokenLogprob
 
