@@ -2,8 +2,9 @@
 
 A few requests run in-process (the app over the tiny test tiers, drafting off, greedy, a fixed
 answer length) under ``sys.setprofile``. Every call and return event names the module that runs
-next (the called frame's, or on a return its caller's); the sequence, kept to project modules
-(``router``, ``tiers``, ``classifier``), is cut into
+next (the called frame's, or on a return its caller's; a coroutine's suspension at an ``await``
+and its resumption are not moves: the event loop only passes through the frames waiting on it);
+the sequence, kept to project modules (``router``, ``tiers``, ``classifier``), is cut into
 
 - **stays**: maximal runs of consecutive events in one module;
 - **returns**: stays in a module the path had already left once before;
@@ -17,7 +18,8 @@ Two phases per request: *before generation* runs from the route handler's first 
 ``router.http.routes`` to the backend's call into the engine (``Engine.submit``/``submit_n``,
 whose own frames are left out); *after* runs from that call's return to the client's last byte.
 The event loop thread and the default executor's threads (tokenization off the loop) are traced;
-the engine's device thread is not (it steps the model, outside any one request's path).
+the engine's device thread is not (it steps the model, outside any one request's path), nor are
+tasks that were running before the request (the app's watchers).
 
     python -m benchmarks.request_path --as before   # records under "before"
     python -m benchmarks.request_path --as after    # and under "after", in results/request_path.json
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dis
 import json
 import subprocess
 import sys
@@ -71,6 +74,29 @@ REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+_YIELD, _SEND, _RESUME = dis.opmap["YIELD_VALUE"], dis.opmap["SEND"], dis.opmap["RESUME"]
+
+
+def _awaiting(frame: FrameType, event: str) -> bool:
+    """A coroutine suspended by an ``await`` (its return event sits on the ``YIELD_VALUE`` after a
+    ``SEND``), or resumed after one (``RESUME`` with an oparg of 2 or 3; CPython 3.11's
+    bytecode): frames the loop passes through, where no code of the module runs. A generator's
+    own ``yield`` and its resumption stay counted: they hand data over."""
+    code, i = frame.f_code.co_code, frame.f_lasti
+    if i < 0:
+        return False
+    if event == "call":
+        return code[i] == _RESUME and code[i + 1] >= 2
+    return code[i] == _YIELD and i >= 2 and code[i - 2] == _SEND
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # an executor thread: no loop of its own
+        return None
+
+
 def _project_module(frame: FrameType | None) -> str | None:
     if frame is None:
         return None
@@ -86,10 +112,14 @@ class PathTracer:
     phase: str | None = None
     """None until the route handler runs; "engine" while the engine's submit runs."""
     _engine_frame: FrameType | None = None
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    """Tasks that ran before the request (the policy and key watchers): left out."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event not in ("call", "return"):
+        if event not in ("call", "return") or _awaiting(frame, event):
+            return
+        if self.background and _current_task() in self.background:
             return
         with self._lock:
             if self.phase is None:
@@ -139,6 +169,7 @@ def _counts(stays: list[str]) -> dict[str, int]:
 def install(tracer: PathTracer) -> Callable[[], None]:
     """Trace this thread and the default executor's (a fresh pool whose threads trace themselves)."""
     loop = asyncio.get_running_loop()
+    tracer.background = asyncio.all_tasks() - {asyncio.current_task()}
     pool = ThreadPoolExecutor(max_workers=4, initializer=sys.setprofile, initargs=(tracer.profile,))
     loop.set_default_executor(pool)
     sys.setprofile(tracer.profile)
