@@ -276,7 +276,11 @@ _RENORM = (
     "dividing a softmax output by its own sum (~1) moves it by float rounding only, below what "
     "any draw or comparison resolves"
 )
+_TOPK_ZIP = "torch.topk returns values and ids of one length: zip's strict check never fires"
 EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
+    (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=None)]", _TOPK_ZIP),
+    (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, )]", _TOPK_ZIP),
+    (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=False)]", _TOPK_ZIP),
     (_SA, "if not c.is_contiguous() or c.dim() != 2 or c.shape[+1] != width or c.data_ptr() != nxt:", _DIM),
     (_SA, "width = first.shape[+1]", _DIM + " (chunks are [m, V]; a non-2-D first chunk is copied anyway)"),
     (
@@ -506,14 +510,23 @@ def reclassify(res: dict[str, Any], module: str) -> dict[str, Any]:
 
 
 def run_module(
-    module: str, tests: list[str], *, examples: int, children: int, timeout_s: float
+    module: str,
+    tests: list[str],
+    *,
+    examples: int,
+    children: int,
+    timeout_s: float,
+    workdir: Path | None = None,
 ) -> dict[str, Any]:
+    """``workdir``: the copy lives there and is kept; a run over an existing copy resumes (mutmut
+    skips the mutants it has results for), so a run cut off by the timeout loses nothing."""
     mutmut = Path(sys.executable).with_name("mutmut")
     with tempfile.TemporaryDirectory(prefix="tiered-router-mutation-") as tmp:
-        work = Path(tmp)
-        _copy_repo(work)
-        with (work / "pyproject.toml").open("a") as fh:
-            fh.write(_config(module, tests))
+        work = Path(tmp) if workdir is None else workdir / module.replace("/", "_")
+        if not (work / "pyproject.toml").is_file():
+            _copy_repo(work)
+            with (work / "pyproject.toml").open("a") as fh:
+                fh.write(_config(module, tests))
         env = {**os.environ, "TIERED_ROUTER_PROPERTY_EXAMPLES": str(examples), "PYTHONDONTWRITEBYTECODE": "1"}
         started = time.monotonic()
         proc = subprocess.run(
@@ -571,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=2400.0, help="bound on one module's run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
+        "--workdir", type=Path, help="keep each module's copy under this folder; a rerun resumes it"
+    )
+    parser.add_argument(
         "--reclassify",
         action="store_true",
         help="re-apply EQUIVALENT to the results already in --out (no mutmut run)",
@@ -592,7 +608,12 @@ def main(argv: list[str] | None = None) -> int:
     for module in modules:
         print(f"{module}: mutating...", flush=True)
         res = run_module(
-            module, MODULES[module], examples=args.examples, children=args.children, timeout_s=args.timeout_s
+            module,
+            MODULES[module],
+            examples=args.examples,
+            children=args.children,
+            timeout_s=args.timeout_s,
+            workdir=args.workdir,
         )
         results["modules"][module] = res
         print(
