@@ -175,6 +175,30 @@ class Generation:
     def __post_init__(self) -> None:
         self.sampling = Sampling.of(self.request)
 
+    @classmethod
+    def parsed(
+        cls,
+        request: ChatCompletionRequest | CompletionRequest,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt: str | None = None,
+        last_user: str = "",
+        output: OutputSpec | None = None,
+    ) -> Generation:
+        """A validated request and what was parsed from it: its kind, and whether it streams
+        and with usage, read from the request itself."""
+        options = request.stream_options
+        return cls(
+            "chat" if isinstance(request, ChatCompletionRequest) else "completion",
+            request,
+            messages,
+            prompt,
+            bool(request.stream),
+            bool(options and options.include_usage),
+            last_user=last_user,
+            output=output,
+        )
+
 
 _Gen = Generation  # the name other modules used before the split
 

@@ -271,16 +271,7 @@ class RouterService:
         # Tools, tool calls and tool results as plain messages (router/openai/tools.py's generic template).
         messages = chat_messages(req, spec)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        gen = Generation(
-            "chat",
-            req,
-            messages,
-            None,
-            bool(req.stream),
-            bool(req.stream_options and req.stream_options.include_usage),
-            last_user=last_user,
-            output=spec,
-        )
+        gen = Generation.parsed(req, messages=messages, last_user=last_user, output=spec)
         return await self._generate(gen, ctx)
 
     async def complete(self, req: CompletionRequest, ctx: CallContext) -> Completion:
@@ -294,16 +285,7 @@ class RouterService:
             prompt = req.prompt[0]
         else:
             prompt = req.prompt
-        gen = Generation(
-            "completion",
-            req,
-            None,
-            prompt,
-            bool(req.stream),
-            bool(req.stream_options and req.stream_options.include_usage),
-            last_user=prompt,
-            output=output_spec(req),
-        )
+        gen = Generation.parsed(req, prompt=prompt, last_user=prompt, output=output_spec(req))
         return await self._generate(gen, ctx)
 
     def _identify(self, ctx: CallContext) -> None:
