@@ -279,6 +279,9 @@ _RENORM = (
 _TOPK_ZIP = "torch.topk returns values and ids of one length: zip's strict check never fires"
 EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
     (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=None)]", _TOPK_ZIP),
+    (_SA, 'pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-INF"))', _INF),
+    (_SA, "if logits.shape[1] <= vocab:", "at equal widths the pad has no columns: cat adds nothing"),
+    (_SA, "tokens = logits.argmax(dim=+1)", _DIM),
     (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, )]", _TOPK_ZIP),
     (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=False)]", _TOPK_ZIP),
     (_SA, "if not c.is_contiguous() or c.dim() != 2 or c.shape[+1] != width or c.data_ptr() != nxt:", _DIM),

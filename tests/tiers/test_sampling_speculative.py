@@ -561,9 +561,9 @@ def test_probs_batch_matches_the_reference_law_row_by_row() -> None:
 def test_probs_batch_edges() -> None:
     """Exact boundaries: top-p counts the mass strictly before a token (uniform quarters, p = 0.5
     keeps two, 0.25 one); top_p = 1 keeps a token however unlikely, beside a top-p row too (it
-    dropped the tail once its cumulated mass rounded to 1: a row's law depended on its batch); min_p = 1 keeps the argmax; a
-    temperature at float64 is applied at float64; several greedy rows each get their own one-hot;
-    top-k over a vocabulary's worth is no filter."""
+    dropped the tail once its cumulated mass rounded to 1: a row's law depended on its batch);
+    min_p = 1 keeps the argmax; a temperature at float64 is applied at float64; several greedy
+    rows each get their own one-hot."""
     uniform = torch.zeros(1, 4)
     for top_p, kept in [(0.5, 2), (0.25, 1), (0.75, 3)]:
         probs = probs_batch(uniform, [SamplingParams(top_p=top_p)])
@@ -651,3 +651,17 @@ def test_stacked_copies_what_is_not_one_contiguous_run() -> None:
         torch.equal(_stacked([base[1:3], base[3:4]]), base[1:4])
         and _stacked([base[1:3], base[3:4]]).storage_offset() == 6
     )
+
+
+def test_a_greedy_draft_batch_returns_no_laws_and_a_plain_constrained_row_masks_its_last_position() -> None:
+    """All-greedy drafting returns an empty law table (not None: the engine looks rows up in it);
+    a constrained row verifying no draft is masked by the grammar at its one position."""
+    seqs = [Sequence([1], SamplingParams(temperature=0)), Sequence([1], SamplingParams(top_k=1))]
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    tokens, laws, masks = propose_tokens(seqs, logits, 3, frozenset(), torch.Generator())
+    assert (tokens, laws, masks) == ([1, 0], {}, [None, None])
+    seq = Sequence([1], SamplingParams(constraint=Allow([2])))
+    raw = torch.zeros(1, V)
+    got = target_logits(seq, raw, None, frozenset())
+    assert torch.isfinite(got).tolist() == [[t == 2 for t in range(V)]]
+    assert bool(torch.isfinite(raw).all())
