@@ -282,6 +282,35 @@ EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
     (_SA, 'pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-INF"))', _INF),
     (_SA, "if logits.shape[1] <= vocab:", "at equal widths the pad has no columns: cat adds nothing"),
     (_SA, "tokens = logits.argmax(dim=+1)", _DIM),
+    (_SA, 'row.masked_fill_(~mask, float("-INF"))', _INF),
+    (
+        _SA,
+        "None",
+        "apply_penalties' counts.to(None) keeps int64 counts: penalty * counts gives the same floats",
+    ),
+    (
+        _SA,
+        "logprobs = torch.log_softmax(flat, dim=+1)"
+        " if any(s.params.logprobs is not None for s in seqs) else None",
+        _DIM,
+    ),
+    (_SA, "argmax = flat.argmax(dim=+1).tolist()", _DIM),
+    (_SA, "tokens = [1] * len(seqs)", "every row's entry is written below before it is read"),
+    (
+        _SA,
+        "d_num = torch.zeros(len(spec), dtype=None)",
+        "draft counts are small integers, exact in float32, and only compared (never used as indices)",
+    ),
+    (
+        _SA,
+        "d_num = torch.zeros(len(spec), )",
+        "draft counts are small integers, exact in float32, and only compared (never used as indices)",
+    ),
+    (
+        _SA,
+        "q = torch.zeros((len(spec), k + 2, vocab))",
+        "accept_batch reads target laws at positions 0..k only: an extra zero position is never read",
+    ),
     (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, )]", _TOPK_ZIP),
     (_SA, "alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=False)]", _TOPK_ZIP),
     (_SA, "if not c.is_contiguous() or c.dim() != 2 or c.shape[+1] != width or c.data_ptr() != nxt:", _DIM),

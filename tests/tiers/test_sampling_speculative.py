@@ -519,7 +519,7 @@ def test_mask_row_keeps_the_allowed_ids_and_falls_back_to_eos() -> None:
     assert mask.tolist() == [t in (2, 7) for t in range(V)]
     assert torch.isfinite(row).tolist() == mask.tolist() and row[2] == 0.0
     row = torch.zeros(V)
-    mask = mask_row(Allow([]), row, frozenset({0, V - 2, V + 4}))
+    mask = mask_row(Allow([]), row, frozenset({0, V - 2, V, V + 4}))
     assert mask is not None and torch.isfinite(row).tolist() == [t in (0, V - 2) for t in range(V)]
 
 
@@ -641,7 +641,7 @@ def test_stacked_copies_what_is_not_one_contiguous_run() -> None:
     assert a.data_ptr() + 16 == b.data_ptr()
     joined = _stacked([a, b])
     assert torch.equal(joined, torch.cat([a, b]))
-    flat = torch.arange(14, dtype=torch.float32)
+    flat = torch.arange(24, dtype=torch.float32)  # room for a [4, 4] misreading
     with pytest.raises(RuntimeError):
         _stacked([flat[:8].view(2, 4), flat[8:14].view(2, 3)])
     run = base.view(-1)[:12].view(2, 6), base.view(-1)[12:].view(2, 6)
