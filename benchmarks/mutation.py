@@ -282,6 +282,7 @@ EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
     (_SA, 'pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-INF"))', _INF),
     (_SA, "if logits.shape[1] <= vocab:", "at equal widths the pad has no columns: cat adds nothing"),
     (_SA, "tokens = logits.argmax(dim=+1)", _DIM),
+    (_SA, "drop |= ((sorted_p.cumsum(dim=+1) - sorted_p) >= tp) & (tp < 1.0)", _DIM),
     (_SA, 'row.masked_fill_(~mask, float("-INF"))', _INF),
     (
         _SA,
