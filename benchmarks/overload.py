@@ -16,6 +16,8 @@ one sending 10x the other's concurrency; the light tenant's success rate. Gauges
 
 Acceptance (issue 18): goodput(4x) >= 0.8 x goodput(1x); accepted TTFT p99(4x) <= 2 x p99(1x) +
 max_queue_wait_s; rejections p99 <= 50 ms, all with Retry-After; no 5xx but 503; light tenant >= 95%.
+Issue 37 (every client on one address, loopback): no connection ends without a complete HTTP
+response, and a readiness probe polling ``/readyz`` every 250 ms gets 200 throughout.
 
     python -m benchmarks.overload [--seconds 60] [--port 8097]
 """
@@ -161,11 +163,32 @@ async def phase(
         )
         for j, (tenant, i) in enumerate((t, i) for t, n in clients.items() for i in range(n))
     ]
-    await asyncio.gather(*tasks)
+    probes: list[dict[str, Any]] = []
+    await asyncio.gather(*tasks, _probe(url, stop_at, probes))
+    log.extend(probes)
     return log, started
 
 
+async def _probe(url: str, stop_at: float, out: list[dict[str, Any]]) -> None:
+    """``/readyz`` every 250 ms while the load runs, as a Kubernetes readiness probe would (its
+    own connection each time, a 1 s timeout): an overloaded pod must stay ready - refusing work
+    is admission's job, and a pod marked unready only moves the overload to its neighbours."""
+    async with httpx.AsyncClient(timeout=1.0) as client:
+        while time.monotonic() < stop_at:
+            t = time.monotonic()
+            try:
+                status: int | str = (
+                    await client.get(url + "/readyz", headers={"connection": "close"})
+                ).status_code
+            except httpx.HTTPError as exc:
+                status = f"probe:{type(exc).__name__}"
+            out.append({"t": t, "tenant": "probe", "status": status, "probe_s": time.monotonic() - t})
+            await asyncio.sleep(0.25)
+
+
 def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict[str, Any]:
+    probes = [r for r in log if r["tenant"] == "probe"]
+    log = [r for r in log if r["tenant"] != "probe"]
     ok = [r for r in log if r["status"] == 200 and r.get("complete")]
     rejected = [r for r in log if isinstance(r["status"], int) and r["status"] != 200]
     elapsed = max((r.get("end", r["t"]) for r in log), default=started) - started
@@ -208,6 +231,13 @@ def summarise(log: list[dict[str, Any]], started: float, seconds: float) -> dict
         "rejection_server_p99_ms": round(percentile(rej_server, 0.99), 1) if rej_server else None,
         "rejections_without_retry_after": sum(1 for r in rejected if not r.get("retry_after")),
         "non_503_5xx": sum(1 for r in rejected if r["status"] >= 500 and r["status"] != 503),
+        # A connection that ended without a complete HTTP response (reset, closed, timed out).
+        "closed_without_response": sum(1 for r in log if str(r["status"]).startswith("client:")),
+        "readyz": {
+            "probes": len(probes),
+            "statuses": dict(Counter(str(r["status"]) for r in probes)),
+            "p99_ms": round(percentile([r["probe_s"] for r in probes], 0.99) * 1000, 1) if probes else None,
+        },
         "timeline": timeline,
     }
 
@@ -275,6 +305,11 @@ def run(*, seconds: float, port: int) -> None:
         "no_bad_5xx": four["non_503_5xx"] == 0 and one["non_503_5xx"] == 0,
         "light_tenant_ok": fairness["light"]["success_rate"] >= 0.95,
         "gauges_back_to_zero": all(v == 0 for v in after.values()),
+        # Issue 37: every client on one address (loopback), 4x capacity.
+        "no_connection_closed_without_response": all(
+            r["closed_without_response"] == 0 and r["incomplete_200"] == 0 for r in (one, four)
+        ),
+        "readyz_200_throughout": all(set(r["readyz"]["statuses"]) == {"200"} for r in (one, four)),
     }
     print("checks", checks, flush=True)
     write_json(
