@@ -62,6 +62,10 @@ class DeviceWorker(Generic[E]):
         )
         self._wake = threading.Event()
         self._stopping = False
+        self._closed = False
+        """Set by the thread as it ends (under ``_lock``): later calls fail at once instead of
+        waiting forever on a queue nobody reads (a reload still building when the server stops)."""
+        self._lock = threading.Lock()
         self._deferred_turns = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -88,7 +92,11 @@ class DeviceWorker(Generic[E]):
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the device thread between engine steps."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._calls.put((fn, fut))
+        with self._lock:
+            if self._closed:
+                fut.set_exception(RuntimeError("the device worker has stopped"))
+                return fut
+            self._calls.put((fn, fut))
         self.wake()
         return fut
 
@@ -153,6 +161,8 @@ class DeviceWorker(Generic[E]):
             if not did_work:
                 self._wake.wait(0.05)
                 self._wake.clear()
-        self._run_calls()
+        with self._lock:
+            self._closed = True
+        self._run_calls()  # what was submitted before closing still runs
         for engine in self.engines:
             engine.abort_all()

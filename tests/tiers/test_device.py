@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from tiers.device import MAX_DEFERRED_TURNS, DeviceWorker
 
 
@@ -30,3 +34,15 @@ def test_unprotected_prompts_are_deferred_for_a_bounded_number_of_turns() -> Non
     assert turns == ([True] * MAX_DEFERRED_TURNS + [False]) * 2
     pending.protected_prefill = False
     assert not worker._defer_this_turn()
+
+
+def test_a_call_after_the_worker_stopped_fails_instead_of_waiting_forever() -> None:
+    # Catches: a call queued after the thread's last drain waits on a future nobody completes.
+    # A reload still building engines when the server stops did that, and the non-daemon
+    # executor thread it ran in kept the process from exiting.
+    worker: DeviceWorker[Any] = DeviceWorker(name="stopping")
+    assert worker.call(lambda: 41 + 1, timeout=10) == 42  # served while running
+    worker.stop()
+    assert not worker.is_alive
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.call(lambda: 1, timeout=10)  # a hang would end in TimeoutError instead
