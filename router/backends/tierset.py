@@ -50,6 +50,10 @@ class TierSet:
     a request awaits its tokenization and the cache, and a burst of decisions made meanwhile must
     see the batch the earlier ones are about to join."""
     _landed: dict[str, int] = field(default_factory=dict)
+    token_bytes: int | None = None
+    """The most UTF-8 bytes one token of the counting tokenizer stands for (``max_token_bytes``):
+    a text of N bytes has at least N / token_bytes tokens, which refuses a prompt too long for
+    every tier without tokenizing it."""
 
     def get(self, name: str) -> Backend:
         return self.tiers[name]
@@ -316,4 +320,22 @@ def build_tiers(
     for engine in new_engines:
         engine.attach(worker)
     log.info("tiers ready in %.1fs: %s", time.monotonic() - started, ", ".join(backends))
-    return TierSet(backends, worker, models, ready=True)
+    tiers = TierSet(backends, worker, models, ready=True)
+    tok = tiers.counting_tokenizer()
+    tiers.token_bytes = max_token_bytes(tok) if tok is not None else None
+    return tiers
+
+
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """An upper bound on the text bytes one token covers: the longest vocabulary entry in UTF-8
+    bytes, doubled. A byte-level BPE entry spells each byte it covers with one character of one
+    or more bytes, a sentencepiece or byte-fallback entry is never shorter than its text, and the
+    factor 2 leaves room for a normalizer that expands a character (NFKC). None when the tokenizer
+    exposes no vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = get_vocab()
+    if not vocab:
+        return None
+    return 2 * max(len(str(t).encode("utf-8", "surrogatepass")) for t in vocab)

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from router.backends.local import LocalTier
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
 from router.openai.schemas import (
@@ -214,6 +215,29 @@ class RouterService:
             return estimate
         return len(await asyncio.to_thread(tok.encode, text, add_special_tokens=False))
 
+    def _refuse_unfittable(self, messages: list[dict[str, str]] | None, prompt: str | None) -> None:
+        """A 400 ``context_length_exceeded`` for a prompt that is certainly longer than every
+        tier's ``max_model_len``, from its byte count alone: tokenizing a 1 MB prompt costs a
+        second of CPU beside the engines, only to refuse it. Tiers served elsewhere (remote) have
+        their own limits, so only an all-local tier set is checked."""
+        tiers = self.tiers
+        if tiers is None or tiers.token_bytes is None or not tiers.tiers:
+            return
+        if not all(isinstance(b, LocalTier) for b in tiers.tiers.values()):
+            return
+        limit = max(b.max_model_len for b in tiers.tiers.values() if isinstance(b, LocalTier))
+        text = (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
+        if len(text) <= limit:  # at least one byte per character, at most one token per byte
+            return
+        at_least = len(text.encode("utf-8", "surrogatepass")) // tiers.token_bytes
+        if at_least > limit:
+            raise BadRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                f"at least {at_least} tokens.",
+                param="messages" if messages is not None else "prompt",
+                code="context_length_exceeded",
+            )
+
     def _token_plan(
         self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None
     ) -> tuple[int, str, Any]:
@@ -242,6 +266,7 @@ class RouterService:
         self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
     ) -> dict[str, Any]:
         self.check_caller(ctx)  # a decision costs a classification: limited like generation
+        self._refuse_unfittable(messages, prompt)
         tokens = await self._count_tokens_off_loop(self.policy, messages, prompt)
         routed = self.route(ctx, model, messages, prompt, prompt_tokens=tokens)
         d, s = routed.decision, routed.score
@@ -357,6 +382,7 @@ class RouterService:
         gen.ctx = ctx
         self.check_caller(ctx)
         req = gen.request
+        self._refuse_unfittable(gen.messages, gen.prompt)
         tokens = await self._count_tokens_off_loop(self.policy, gen.messages, gen.prompt)
         routed = self.route(ctx, req.model, gen.messages, gen.prompt, request=req, prompt_tokens=tokens)
         d = routed.decision

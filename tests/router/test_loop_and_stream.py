@@ -96,6 +96,49 @@ def test_tokenization_and_grammar_compilation_run_off_the_event_loop(
     assert [name for name, on_loop in seen.calls if on_loop] == []
 
 
+def test_a_prompt_longer_than_every_tier_is_refused_from_its_bytes_without_tokenizing(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: a 1 MB prompt was tokenized (1.5 s of CPU beside the engines) only to be refused with
+    a 429 ``predicted_wait_exceeded``, an error that tells the client to retry the same request.
+    A text of N bytes holds at least N / (most bytes per token) tokens: past every tier's
+    ``max_model_len`` that is a 400 ``context_length_exceeded`` with no tokenizer call."""
+    seen = _OnLoop()
+    counting = server.service.tiers.counting_tokenizer()
+    monkeypatch.setattr(counting, "encode", seen.wrap("count", counting.encode))
+    for tier in server.service.tiers.tiers.values():
+        monkeypatch.setattr(
+            tier.tokenizer, "apply_chat_template", seen.wrap("template", tier.tokenizer.apply_chat_template)
+        )
+    huge = "x " * 20_000
+    chat = {"model": "auto", "messages": [{"role": "user", "content": huge}], "max_tokens": 2}
+    for path, body, param in (
+        ("/v1/chat/completions", chat, "messages"),
+        ("/v1/completions", {"model": "auto", "prompt": huge, "max_tokens": 2}, "prompt"),
+        ("/v1/route", {"messages": chat["messages"]}, "messages"),
+    ):
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param), path
+    assert seen.calls == []  # refused before any tokenization
+    monkeypatch.undo()
+    # The refusal is right: the real count is past every tier's limit.
+    limit = max(t.max_model_len for t in server.service.tiers.tiers.values())
+    assert len(counting.encode(huge, add_special_tokens=False)) > limit
+    # Just under the bound the prompt is tokenized as before (a 400 from the tier's own count).
+    below = "x " * (limit * server.service.tiers.token_bytes // 4)
+    seen2 = _OnLoop()
+    monkeypatch.setattr(counting, "encode", seen2.wrap("count", counting.encode))
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "auto", "messages": [{"role": "user", "content": below}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert seen2.calls  # counted: the byte bound alone could not refuse it
+
+
 def _events(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         if line.startswith("data: "):
