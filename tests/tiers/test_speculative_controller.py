@@ -1,0 +1,253 @@
+"""The speculative controller without a model: its cost interpolation, its prices of a round, the
+k it chooses (the margins, exploration, the draft's backlog) and what it records - each against
+figures worked out by hand from the formulas in ``tiers/speculative.py``'s docstrings:
+
+    tokens(k, a) = (1 - a**(k+1)) / (1 - a)        rate(k) = tokens / (target(k+1) + k * draft)
+
+Model-free and fast, so ``make mutation`` can run it on every mutant of the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiers.sequence import SamplingParams, Sequence
+from tiers.speculative import EXPLORE_STEPS, SPEC_MARGIN, SPEC_RESUME_MARGIN, SpecController, spec_budget
+
+
+def tokens(k: int, a: float) -> float:
+    return sum(a**i for i in range(k + 1))  # the geometric series, summed term by term
+
+
+def profiled(acceptance: float, *, max_k: int = 2, explore_every: int = 64) -> SpecController:
+    """Batch 1: plain 10 ms, a 3-token verify 15 ms (ratio 1.5), a draft forward 2 ms (ratio 0.2)."""
+    c = SpecController(max_k=max_k, acceptance=acceptance, explore_every=explore_every)
+    c.record_target(1, 1, 0.010)
+    c.record_target(1, 3, 0.015)
+    c.record_draft(1, 1, 0.002)
+    return c
+
+
+# -- interpolation -----------------------------------------------------------------------------
+
+
+def test_interp_is_piecewise_linear_and_extrapolates_from_the_end_segments() -> None:
+    """Catches a wrong segment picked (``<`` for ``<=`` at a knot, the first segment used past the
+    end), a slope or offset slip, the single point not scaled through the origin, the floor lost."""
+    one = [(2, 4.0)]
+    assert SpecController._interp(one, 3) == pytest.approx(6.0)  # through the origin: 4 * 3 / 2
+    assert SpecController._interp([(0, 4.0)], 3) == pytest.approx(4.0)
+    pts = [(1, 1.0), (3, 5.0), (7, 6.0)]
+    want = {1: 1.0, 2: 3.0, 3: 5.0, 5: 5.5, 7: 6.0, 9: 6.5, 15: 8.0}
+    for x, y in want.items():
+        assert SpecController._interp(pts, x) == pytest.approx(y), x
+    # Below the first point: the first segment's line (slope 2) goes under zero: floored just above 0.
+    assert SpecController._interp(pts, 0) == pytest.approx(1e-9)
+    assert SpecController._interp([(1, 3.0), (2, 5.0)], 0) == pytest.approx(1.0)
+
+
+def test_cost_interpolates_in_tokens_at_each_batch_then_across_batches() -> None:
+    """Catches the two interpolation axes swapped or a batch's points mixed with another's: at
+    batch 2, 3 tokens, batch 1 gives 2.0 and batch 4 gives 7.0 (each halfway in tokens), and batch
+    2 lies a third of the way from 1 to 4. A measured point is returned as measured; nothing
+    measured is None."""
+    c = SpecController(max_k=1)
+    table = {(1, 1): 1.0, (1, 5): 3.0, (4, 1): 4.0, (4, 5): 10.0}
+    assert c._cost(table, 2, 3) == pytest.approx(2.0 + (7.0 - 2.0) / 3)
+    assert c._cost(table, 4, 5) == 10.0
+    assert c._cost({}, 2, 3) is None
+
+
+# -- prices of a round -------------------------------------------------------------------------
+
+
+def test_expected_rate_prices_each_k_from_the_ratios_to_todays_plain_step() -> None:
+    """rate(0) = 1 / 10 ms; rate(1) = 1.5 / (12.5 + 2) ms (the 2-token verify interpolated between
+    ratios 1.0 and 1.5); rate(2) = 1.75 / (15 + 2 * 2) ms. Then the plain step is measured at
+    20 ms once (EMA 0.1: 11 ms): every k > 0 is priced at its ratio times 11 ms. Catches the
+    token count or the cost formula changed, k drafts priced as one, the ratios not used."""
+    c = profiled(0.5)
+    assert c.target_ratio == {(1, 3): pytest.approx(1.5)} and c.draft_ratio == {(1, 1): pytest.approx(0.2)}
+    assert c.expected_rate(0, 1) == pytest.approx(1 / 0.010)
+    assert c.expected_rate(1, 1) == pytest.approx(tokens(1, 0.5) / (0.0125 + 0.002))
+    assert c.expected_rate(2, 1) == pytest.approx(tokens(2, 0.5) / (0.015 + 2 * 0.002))
+    c.record_target(1, 1, 0.020)
+    assert c.target_cost[(1, 1)] == pytest.approx(0.011)
+    assert c.expected_rate(2, 1) == pytest.approx(tokens(2, 0.5) / (0.011 * 1.5 + 2 * 0.011 * 0.2))
+    # An acceptance passed in overrides the estimate, capped just below 1 (a = 1 would divide by 0).
+    assert c.expected_rate(1, 1, acceptance=0.9) == pytest.approx(1.9 / (0.011 * 1.25 + 0.011 * 0.2))
+    assert c.expected_rate(1, 1, acceptance=1.0) == pytest.approx(
+        tokens(1, 0.999) / (0.011 * 1.25 + 0.011 * 0.2)
+    )
+
+
+def test_a_batch_never_measured_is_priced_from_the_measured_ones() -> None:
+    """Only batch 1 measured: batch 3's plain step is 3 x 10 ms (through the origin); with batches
+    1 and 5 measured, batch 3 lies halfway. Catches the batch axis ignored or extrapolated from
+    the wrong end."""
+    c = profiled(0.5)
+    assert c.expected_rate(0, 3) == pytest.approx(1 / 0.030)
+    c.record_target(5, 1, 0.030)
+    assert c.expected_rate(0, 3) == pytest.approx(1 / 0.020)
+    assert c.expected_rate(0, 9) == pytest.approx(1 / 0.050)
+
+
+def test_without_ratios_the_absolute_measurements_price_the_round() -> None:
+    """A verify or draft measured before any plain step at its batch has no ratio: its absolute
+    time prices it. Catches the fallback dropped (no price: None) or the wrong table read."""
+    c = SpecController(max_k=2, acceptance=0.5)
+    c.record_target(1, 3, 0.030)  # no plain step yet: no ratio
+    c.record_draft(1, 1, 0.004)
+    assert c.target_ratio == {} and c.draft_ratio == {}
+    assert c.expected_rate(2, 1) == pytest.approx(tokens(2, 0.5) / (0.030 + 2 * 0.004))
+    assert c.expected_rate(0, 1) is None  # no plain step: nothing to compare with
+    c.record_target(1, 1, 0.010)
+    assert c.target_ratio == {} and c.draft_ratio == {}  # a plain step records no ratio
+    assert c.expected_rate(2, 1) == pytest.approx(tokens(2, 0.5) / (0.030 + 2 * 0.004))
+    assert c.expected_rate(0, 1) == pytest.approx(100.0)
+
+
+def test_record_keeps_a_moving_average_of_each_measurement() -> None:
+    """First measurement as is, then old + 0.1 * (new - old), per key; the ratio is taken against
+    the plain step of the same batch at that time. Catches the EMA's sign or weight flipped, a
+    ratio taken over another batch's plain step, a ratio recorded for the plain step itself."""
+    c = SpecController(max_k=2, ema=0.1)
+    c.record_target(2, 1, 0.020)
+    c.record_target(2, 1, 0.030)
+    assert c.target_cost == {(2, 1): pytest.approx(0.021)}
+    c.record_target(2, 4, 0.042)
+    c.record_target(2, 4, 0.0525)
+    assert c.target_cost[(2, 4)] == pytest.approx(0.042 + 0.1 * (0.0525 - 0.042))
+    assert c.target_ratio == {(2, 4): pytest.approx(2.0 + 0.1 * (2.5 - 2.0))}
+    c.record_draft(2, 1, 0.0042)
+    c.record_draft(4, 1, 0.0042)  # batch 4's plain step is not measured: no ratio
+    assert c.draft_cost == {(2, 1): pytest.approx(0.0042), (4, 1): pytest.approx(0.0042)}
+    assert c.draft_ratio == {(2, 1): pytest.approx(0.2)}
+
+
+def test_acceptance_moves_by_the_ema_and_ends_an_exploration() -> None:
+    """0.8 + 0.1 * (1/2 - 0.8) = 0.77; a round that drafted nothing changes nothing (and does not
+    end an exploration, which still waits for a drafting round). Catches the EMA written as an
+    assignment or with the difference reversed, the drafted == 0 guard lost."""
+    c = SpecController(max_k=2, acceptance=0.8, ema=0.1)
+    c.exploring = 2
+    c.record_acceptance(0, 0)
+    assert c.acceptance == 0.8 and c.exploring == 2
+    c.record_acceptance(4, 2)
+    assert c.acceptance == pytest.approx(0.77) and c.exploring == 0
+    c.record_acceptance(4, 4)
+    assert c.acceptance == pytest.approx(0.77 + 0.1 * (1.0 - 0.77))
+
+
+# -- best_round --------------------------------------------------------------------------------
+
+
+def test_best_round_prices_the_best_k_only_on_a_clear_win() -> None:
+    """At a = 0.5 k = 1 is the best rate (103 vs 100 tokens/s) but within the 1.1 margin: the plain
+    round (10 ms, 1 token) is priced. At a = 0.9 k = 2 wins clearly: 19 ms for 2.71 tokens. A fixed
+    k is priced as is (capped at max_k). Catches the margin dropped or inverted, the best taken by
+    cost or by tokens alone, the fixed k ignored."""
+    c = profiled(0.5)
+    assert c.best_round(1) == (pytest.approx(0.010), pytest.approx(1.0))
+    c.acceptance = 0.9
+    assert c.best_round(1) == (pytest.approx(0.019), pytest.approx(tokens(2, 0.9)))
+    c.acceptance = 0.6  # k = 1: 1.6 / 14.5 ms = 110.3/s, k = 2: 1.96 / 19 ms = 103.2/s: just over 1.1x
+    assert c.best_round(1) == (pytest.approx(0.0145), pytest.approx(1.6))
+    c.acceptance = 0.5
+    c.fixed_k = 1
+    assert c.best_round(1) == (pytest.approx(0.0145), pytest.approx(1.5))
+    c.fixed_k = 5
+    assert c.best_round(1) == (pytest.approx(0.019), pytest.approx(1.75))
+    c.acceptance = 1.0  # capped at 0.999
+    assert c.best_round(1) == (pytest.approx(0.019), pytest.approx(tokens(2, 0.999)))
+
+
+# -- choose_k ----------------------------------------------------------------------------------
+
+
+def test_choose_k_pins_and_unprofiled_cases() -> None:
+    """No drafting at max_k = 0 (whatever is pinned); a pinned k capped at max_k; before the costs
+    are known, max_k (measure by doing)."""
+    assert SpecController(max_k=0, fixed_k=3).choose_k(1) == 0
+    assert SpecController(max_k=3, fixed_k=2).choose_k(1) == 2
+    assert SpecController(max_k=3, fixed_k=5).choose_k(1) == 3
+    assert SpecController(max_k=3).choose_k(1) == 3
+    c = SpecController(max_k=2)
+    c.record_target(1, 1, 0.010)
+    assert c.choose_k(1) == 2  # the verify and draft costs are still unknown
+
+
+def test_choose_k_speculates_above_the_margin_and_resumes_only_above_the_higher_one() -> None:
+    """a = 0.62: k = 1 predicts 1.62 / 14.5 ms = 111.7/s against 100/s: 1.117x, above SPEC_MARGIN
+    (1.1) but below SPEC_RESUME_MARGIN (1.25). A draft at most 2 tokens behind speculates; one 3
+    behind must first catch up, so it does not. At a = 0.9 k = 2 clears both margins. Catches
+    the margins swapped, the lag boundary moved, the best k not returned."""
+    assert SPEC_MARGIN == 1.1 and SPEC_RESUME_MARGIN == 1.25
+    c = profiled(0.62)
+    r0, r1, r2 = (c.expected_rate(k, 1) for k in range(3))
+    assert r0 is not None and r1 is not None and r2 is not None
+    assert 1.1 * r0 < r1 < 1.25 * r0 and r2 < r1
+    assert c.choose_k(1, draft_lag=2) == 1 and c.steps_without_spec == 0
+    assert c.choose_k(1, draft_lag=3) == 0 and c.steps_without_spec == 1
+    assert c.choose_k(1) == 1 and c.steps_without_spec == 0  # a speculating step resets the count
+    c.acceptance = 0.9
+    assert c.choose_k(1, draft_lag=3) == 2
+    c.acceptance = 0.55  # 1.55 / 14.5 ms = 106.9/s: the best k, but under 1.1x
+    assert c.choose_k(1) == 0
+
+
+def test_an_exploration_tries_the_best_k_above_zero_and_only_where_it_could_pay() -> None:
+    """Plain decoding chosen (a = 0.1) at explore_every = 3: the 3rd plain step explores with the
+    k > 0 of the best rate (k = 1 here: 1.1 / 14.5 ms beats 1.11 / 19 ms), for EXPLORE_STEPS
+    steps at most. Not with a draft more than 8 tokens behind (8 is still fine), and never where a
+    perfect draft would lose. Catches the count's boundary (``>=``), the reset of the count, the
+    explored k (max_k instead of the best), the lag boundary, the ceiling's comparison."""
+    c = profiled(0.1, explore_every=3)
+    assert [c.choose_k(1, draft_lag=8) for _ in range(3)] == [0, 0, 1]
+    assert c.steps_without_spec == 0 and c.exploring == EXPLORE_STEPS - 1
+    assert [c.choose_k(1) for _ in range(EXPLORE_STEPS)] == [1] * (EXPLORE_STEPS - 1) + [0]
+    assert c.exploring == 0 and c.steps_without_spec == 1
+    c = profiled(0.1, explore_every=3)
+    assert [c.choose_k(1, draft_lag=9) for _ in range(5)] == [0] * 5
+    assert c.steps_without_spec == 5
+    assert c.choose_k(1, draft_lag=8) == 1  # past the count already: the first short lag explores
+    # Verifying 3 tokens costs 3 plain steps and a draft forward 1: even a = 0.999 loses to plain.
+    c = SpecController(max_k=2, acceptance=0.1, explore_every=1)
+    c.record_target(1, 1, 0.010)
+    c.record_target(1, 3, 0.030)
+    c.record_draft(1, 1, 0.010)
+    ceiling = c.expected_rate(2, 1, acceptance=0.999)
+    assert ceiling is not None and ceiling < 100.0
+    assert [c.choose_k(1) for _ in range(6)] == [0] * 6 and c.exploring == 0
+
+
+def test_an_exploration_where_a_perfect_draft_wins_by_a_hair_still_runs() -> None:
+    """The ceiling need only beat plain decoding (not by the margin): verifying 2 tokens at 9.9 ms
+    + a 0.1 ms draft gives a perfect draft 1.999 / 10 ms against 1 / 10 ms. Catches the ceiling
+    compared with the margin applied, or computed at the estimated acceptance."""
+    c = SpecController(max_k=1, acceptance=0.0, explore_every=1)
+    c.record_target(1, 1, 0.010)
+    c.record_target(1, 2, 0.0099)
+    c.record_draft(1, 1, 0.0001)
+    assert c.choose_k(1) == 1 and c.exploring == EXPLORE_STEPS - 1
+
+
+# -- spec_budget -------------------------------------------------------------------------------
+
+
+def test_spec_budget_stops_one_short_of_max_tokens_and_of_the_context() -> None:
+    """A round emits up to k + 1 tokens: with 4 output tokens left, 3 may be drafted; with the
+    context 4 tokens from full, 3 too. Catches the room computed without the bonus token (``- 1``
+    lost) or off by one the other way; penalized and seeded sampled requests never draft, seeded
+    greedy ones do."""
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
+    assert spec_budget(s, 8, 100) == 3
+    assert spec_budget(s, 2, 100) == 2
+    assert spec_budget(s, 0, 100) == 0
+    assert spec_budget(s, 8, 7) == 3  # context: 7 - 3 - 1
+    assert spec_budget(s, 8, 4) == 0
+    assert spec_budget(s, 8, 3) == 0  # never negative
+    assert (
+        spec_budget(Sequence([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, seed=1)), 8, 100) == 3
+    )
+    assert spec_budget(Sequence([1, 2, 3], SamplingParams(max_tokens=4, seed=1)), 8, 100) == 0
+    assert spec_budget(Sequence([1, 2, 3], SamplingParams(max_tokens=4, presence_penalty=0.5)), 8, 100) == 0
