@@ -44,11 +44,13 @@ MODULES: dict[str, list[str]] = {
         "tests/tiers/test_scheduler.py",
         "tests/tiers/test_scheduler_properties.py",
         "tests/tiers/test_scheduler_output.py",
+        "tests/tiers/test_scheduler_edges.py",
     ],
     "tiers/speculative.py": [
         "tests/tiers/test_speculative.py",
         "tests/tiers/test_speculative_rule.py",
         "tests/tiers/test_sampling_speculative.py",
+        "tests/tiers/test_speculative_controller.py",
         "-k",
         "accept_batch or controller or ngram_proposer or k_not_in_use"
         " or speculative_rule or sampling_speculative",
@@ -488,9 +490,27 @@ STATUS = {1: "killed", 3: "killed", 36: "killed", 24: "killed", -24: "killed", 1
 is detected). Everything else - 0 (tests passed), 33/5 (no test reached it) - is a survivor."""
 
 
-def _copy_repo(dest: Path) -> None:
+_COPIED = ("router", "tiers", "classifier", "tests", "pyproject.toml")
+
+
+def _head() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _copy_repo(dest: Path, *, worktree: bool = False) -> None:
+    """The committed tree (HEAD) by default: in a shared working tree another change in progress
+    would otherwise be measured with the module (``worktree=True`` copies the files as they are)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if not worktree:
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", "HEAD", *_COPIED], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        return
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc", "mutants")
-    for name in ("router", "tiers", "classifier", "tests"):
+    for name in _COPIED[:-1]:
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
@@ -550,6 +570,7 @@ def run_module(
     children: int,
     timeout_s: float,
     workdir: Path | None = None,
+    worktree: bool = False,
 ) -> dict[str, Any]:
     """``workdir``: the copy lives there and is kept; a run over an existing copy resumes (mutmut
     skips the mutants it has results for), so a run cut off by the timeout loses nothing."""
@@ -557,7 +578,7 @@ def run_module(
     with tempfile.TemporaryDirectory(prefix="tiered-router-mutation-") as tmp:
         work = Path(tmp) if workdir is None else workdir / module.replace("/", "_")
         if not (work / "pyproject.toml").is_file():
-            _copy_repo(work)
+            _copy_repo(work, worktree=worktree)
             with (work / "pyproject.toml").open("a") as fh:
                 fh.write(_config(module, tests))
         env = {**os.environ, "TIERED_ROUTER_PROPERTY_EXAMPLES": str(examples), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -596,6 +617,7 @@ def run_module(
     scored = len(codes) - len(equivalent)
     return {
         "tests": tests,
+        "commit": "working tree" if worktree else _head(),
         "mutants": len(codes),
         "killed": len(killed),
         "survived": len(survived),
@@ -618,6 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--workdir", type=Path, help="keep each module's copy under this folder; a rerun resumes it"
+    )
+    parser.add_argument(
+        "--worktree",
+        action="store_true",
+        help="mutate the working tree's files as they are (default: the committed tree, HEAD)",
     )
     parser.add_argument(
         "--reclassify",
@@ -647,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             children=args.children,
             timeout_s=args.timeout_s,
             workdir=args.workdir,
+            worktree=args.worktree,
         )
         results["modules"][module] = res
         print(
