@@ -12,6 +12,10 @@ holds a protected caller's prompt (a caller below its fair share, ``Scheduler.pr
 a turn runs decodes and protected prompts only, for at most ``MAX_DEFERRED_TURNS`` turns in a row:
 otherwise a light tenant's request waited for a whole turn of the other tiers' long prompt chunks
 of a flood (measured: 3-6 s to the first token against a 5 s budget, so it was refused).
+
+Device time is shared between callers too (``fairness.TurnBudget``): while a caller below its
+share of the device's batch slots has work, callers over it sit out the turns that would slow the
+light caller's steps by more than ``fair_slowdown`` (policy ``service.fair_slowdown``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from tiers.fairness import TurnBudget
 
 if TYPE_CHECKING:
     from tiers.pacing import Backlog, Pace
@@ -40,7 +48,13 @@ class DeviceEngine(Protocol):
 
     def has_work(self) -> bool: ...
     def has_protected_prefill(self) -> bool: ...
-    def step(self, *, defer_unprotected_prompts: bool = False) -> bool: ...
+    def share(self) -> tuple[Counter[str], int]:
+        """Sequences per caller held here (running or waiting), and the batch slots (device thread)."""
+        ...
+
+    def step(
+        self, *, defer_unprotected_prompts: bool = False, hold_back: frozenset[str] = frozenset()
+    ) -> bool: ...
     def abort_all(self) -> None: ...
     def backlog(self) -> Backlog:
         """Everything queued on the engine, as another engine's wait estimate sees it."""
@@ -67,6 +81,8 @@ class DeviceWorker(Generic[E]):
         waiting forever on a queue nobody reads (a reload still building when the server stops)."""
         self._lock = threading.Lock()
         self._deferred_turns = 0
+        self.turns = TurnBudget()
+        """Device time between callers (``fairness.TurnBudget``); its ``slowdown`` is the policy's."""
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -137,6 +153,21 @@ class DeviceWorker(Generic[E]):
         self._deferred_turns = 0
         return False
 
+    def _hold_back(self) -> frozenset[str]:
+        if self.turns.slowdown is None:
+            return frozenset()
+        try:
+            held: Counter[str] = Counter()
+            slots = 0
+            for engine in self.engines:
+                callers, seqs = engine.share()
+                held.update(callers)
+                slots += seqs
+            return self.turns.plan(held, slots)
+        except Exception:  # a bookkeeping error must not stop the device: hold no one back
+            log.exception("sharing the device between callers failed")
+            return frozenset()
+
     def _loop(self) -> None:
         import os
 
@@ -152,13 +183,18 @@ class DeviceWorker(Generic[E]):
             self._run_calls()
             did_work = False
             defer = self._defer_this_turn()
+            hold_back = self._hold_back()
+            started = time.perf_counter()
             for engine in self.engines:
                 if engine.has_work():
                     try:
-                        did_work = engine.step(defer_unprotected_prompts=defer) or did_work
+                        did_work = (
+                            engine.step(defer_unprotected_prompts=defer, hold_back=hold_back) or did_work
+                        )
                     except Exception:  # engine.step guards itself; this is the last line of defence
                         log.exception("engine %s: unhandled error in step", engine.name)
-            if not did_work:
+            self.turns.record(time.perf_counter() - started, did_work)
+            if not did_work and not hold_back:
                 self._wake.wait(0.05)
                 self._wake.clear()
         with self._lock:

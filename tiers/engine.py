@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -101,9 +102,7 @@ class Engine:
     def _other_backlogs(self) -> list[tuple[Pace, Backlog]]:
         return self._worker.backlogs(exclude=self) if self._worker is not None else []
 
-    @property
-    def is_alive(self) -> bool:
-        return self._worker is not None and self._worker.is_alive
+    is_alive = property(lambda self: self._worker is not None and self._worker.is_alive)
 
     def load(self, *, predicted: bool = True) -> EngineLoad:
         """Queue and batch now; ``predicted=False`` skips the wait estimate."""
@@ -119,8 +118,7 @@ class Engine:
         return self.forecast.backlog()
 
     def decode_round(self, extra: int = 0) -> tuple[float, float] | None:
-        """``(seconds, tokens per row)`` of a decode step with ``extra`` more sequences (``None``
-        before any step was measured): what load-aware routing prices a sequence by."""
+        """``(seconds, tokens per row)`` of a decode step with ``extra`` more rows (load-aware price)."""
         return self.forecast.decode_round(extra)
 
     # -- intake (any thread) --------------------------------------------------------------------
@@ -183,15 +181,23 @@ class Engine:
         self._drain_inbox()
         return self.scheduler.has_protected_prefill()
 
-    def step(self, *, defer_unprotected_prompts: bool = False) -> bool:
-        """schedule -> run -> update, once. Returns False when there was nothing to run.
-        ``defer_unprotected_prompts``: see ``Scheduler.schedule``."""
+    def share(self) -> tuple[Counter[str], int]:
+        """Sequences per caller held here, and the batch slots (device thread: drains the inbox)."""
+        self._drain_inbox()
+        return self.scheduler.callers(), self.config.max_num_seqs
+
+    def step(
+        self, *, defer_unprotected_prompts: bool = False, hold_back: frozenset[str] = frozenset()
+    ) -> bool:
+        """schedule -> run -> update, once; False when nothing ran (the options: ``Scheduler.schedule``)."""
         self._drain_inbox()
         batch, started = None, time.perf_counter()
         self.post.outbox = []
         try:
             self._k = self._choose_k()
-            batch = self.scheduler.schedule(defer_unprotected_prompts=defer_unprotected_prompts)
+            batch = self.scheduler.schedule(
+                defer_unprotected_prompts=defer_unprotected_prompts, hold_back=hold_back
+            )
             if batch is None:
                 return False
             run_isolated(
@@ -276,17 +282,13 @@ class Engine:
         """How many tokens ``seq`` may draft this step (``speculative.spec_budget``)."""
         return spec_budget(seq, self._k, self.config.max_model_len)
 
-    # -- the rest ---------------------------------------------------------------------------------
-    # What tests and telemetry inspect: the requests held, the rows delivered this step, and
-    # the inbox's requests per caller.
+    # -- the rest: what tests and telemetry inspect (requests held, rows delivered, inbox callers)
     _tracked = property(lambda self: self.post.tracked)
     _delivered = property(lambda self: self.post.delivered)
     _inbox_callers = property(lambda self: self.intake.callers)
 
-    @property
-    def num_deferred_draft_feeds(self) -> int:
-        """Prompts whose last chunk ran without the draft (its feed deferred to the first decode)."""
-        return self.proposer.num_deferred_feeds if self.proposer is not None else 0
+    # Prompts whose last chunk ran without the draft (its feed deferred to the first decode).
+    num_deferred_draft_feeds = property(lambda self: self.proposer.num_deferred_feeds if self.proposer else 0)
 
     def abort_all(self) -> None:
         """Finish every request (shutdown), so no consumer waits forever."""

@@ -6,18 +6,34 @@ callers) preempts the newest sequence of the caller furthest over it. One caller
 never holds a lighter caller's request longer than a step or two, and the flood's own queue keeps
 its order (its waits stay predictable). The scheduler applies these choices; the wait prediction
 (``pacing.queue_backlog``) reads them.
+
+Slots are not the whole story on a device where each row costs compute (a CPU: a step of 16 rows
+costs several times a step of 2), so ``TurnBudget`` also shares device *time*, across every
+engine on the device: while a caller below its share of the device's slots has work, callers over
+it get the turns that keep the light caller's steps within ``slowdown`` of what they would take
+without them (deficit round robin on measured turn times). On a GPU, where extra rows are nearly
+free, held-back turns are cheap and the heavy callers lose little.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tiers.sequence import Sequence
 
-__all__ = ["fair_share", "fairness_victims", "has_protected_prefill", "next_waiting", "protected_callers"]
+__all__ = [
+    "TurnBudget",
+    "fair_share",
+    "fairness_victims",
+    "has_protected_prefill",
+    "light_and_heavy",
+    "next_waiting",
+    "protected_callers",
+]
 
 
 def fair_share(max_num_seqs: int, num_callers: int) -> int:
@@ -93,3 +109,58 @@ def fairness_victims(
             per_caller[caller] += 1  # the slot it frees is this caller's (``next_waiting``)
             queued[caller] -= 1
     return victims
+
+
+def light_and_heavy(held: Counter[str], slots: int) -> tuple[set[str], set[str]]:
+    """Callers below and above an equal split of ``slots`` (the device's batch slots, every engine
+    together) by the sequences each ``held`` (running or waiting); both empty for one caller."""
+    callers = [c for c, n in held.items() if n > 0]
+    if len(callers) < 2:
+        return set(), set()
+    share = slots / len(callers)
+    return {c for c in callers if held[c] < share}, {c for c in callers if held[c] > share}
+
+
+@dataclass(slots=True)
+class TurnBudget:
+    """Which callers sit out the device's next turn (``DeviceWorker``), so that callers below
+    their share keep their pace beside callers over it.
+
+    While both kinds have work, every turn earns the heavy callers ``(slowdown - 1)`` x the
+    duration of a turn without them (measured on held-back turns: ``light_turn_s``, a moving
+    average), and a turn that lets them in spends what it took beyond that; they are let in
+    while the credit is not negative. Over time the light callers' turns therefore last at most
+    ``slowdown`` times as long as without the heavy ones, and the heavy ones still get that
+    share of the device, in full batches. ``slowdown`` None: no holding back."""
+
+    slowdown: float | None = 1.25
+    credit: float = 0.0
+    light_turn_s: float | None = None
+    held_back: frozenset[str] = frozenset()
+    contended: bool = False
+
+    def plan(self, held: Counter[str], slots: int) -> frozenset[str]:
+        """The callers to hold back this turn, from what each caller holds on the device now."""
+        light, heavy = light_and_heavy(held, slots) if self.slowdown is not None else (set(), set())
+        self.contended = bool(light and heavy)
+        if not self.contended:
+            self.credit = 0.0
+            self.held_back = frozenset()
+        else:
+            self.held_back = frozenset(heavy) if self.credit < 0 else frozenset()
+        return self.held_back
+
+    def record(self, seconds: float, did_work: bool) -> None:
+        """The turn just planned took ``seconds``; ``did_work``: some engine ran a step."""
+        if not self.contended or self.slowdown is None:
+            return
+        if self.held_back:
+            if not did_work:  # the light callers had nothing runnable: no reason to wait
+                self.credit = 0.0
+                return
+            ema = self.light_turn_s
+            self.light_turn_s = seconds if ema is None else ema + 0.2 * (seconds - ema)
+            self.credit += (self.slowdown - 1.0) * seconds
+        else:  # the light callers' part of this turn earns credit too; the rest spends it
+            light = self.light_turn_s or 0.0
+            self.credit += (self.slowdown - 1.0) * light - max(0.0, seconds - light)

@@ -120,16 +120,25 @@ class Scheduler(DraftTables):
         return self.blocks.num_used_blocks * self.blocks.block_size
 
     # -- one step -------------------------------------------------------------------------------
-    def schedule(self, *, defer_unprotected_prompts: bool = False) -> ScheduledBatch | None:
+    def callers(self) -> Counter[str]:
+        return Counter(s.caller for s in (*self.running, *self.waiting) if not s.is_finished)
+
+    def schedule(
+        self, *, defer_unprotected_prompts: bool = False, hold_back: frozenset[str] = frozenset()
+    ) -> ScheduledBatch | None:
         """Pick the next step's work; ``None`` when there is nothing to run.
 
         ``defer_unprotected_prompts``: a protected caller's prompt is pending somewhere on the
         device (this engine or another sharing it): run decodes and protected callers' prompts
         only, so the device's turn comes round to that prompt sooner (the other tiers' long
-        prompt chunks were most of a protected request's wait)."""
+        prompt chunks were most of a protected request's wait). ``hold_back``: callers that sit
+        out this step altogether (``fairness.TurnBudget``); their sequences keep their slots."""
         batch = ScheduledBatch([], [], [], [])
         self._preempt_for_fairness(batch)
         allowed = self.protected_callers() if defer_unprotected_prompts else None
+        if hold_back:
+            everyone = {s.caller for s in (*self.running, *self.waiting)}
+            allowed = (everyone if allowed is None else allowed) - hold_back
         # Decodes first (a long prompt's chunk must never starve them), then prompt chunks, the
         # lighter callers' first (fewest running sequences; oldest first within a caller). A
         # waiting caller lighter than some running prompt's is admitted before that prompt takes
@@ -141,7 +150,7 @@ class Scheduler(DraftTables):
             (s for s in self.running if not s.is_decoding and (allowed is None or s.caller in allowed)),
             key=lambda s: per_caller[s.caller],
         )
-        first = [s for s in self.running if s.is_decoding]
+        first = [s for s in self.running if s.is_decoding and s.caller not in hold_back]
         later: list[Sequence] = []
         for seq in prefills:
             heavier = lightest_waiting is not None and per_caller[seq.caller] > lightest_waiting

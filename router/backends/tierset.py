@@ -320,6 +320,7 @@ def build_tiers(
     for engine in new_engines:
         engine.attach(worker)
     log.info("tiers ready in %.1fs: %s", time.monotonic() - started, ", ".join(backends))
+    worker.turns.slowdown = policy.service.fair_slowdown
     tiers = TierSet(backends, worker, models, ready=True)
     tok = tiers.counting_tokenizer()
     tiers.token_bytes = max_token_bytes(tok) if tok is not None else None

@@ -196,6 +196,8 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
         ctx.error(("service", "cache", "redis_timeout_s"), "must be > 0")
     if svc.max_request_timeout_s <= 0:
         ctx.error(("service", "max_request_timeout_s"), "must be > 0")
+    if svc.fair_slowdown is not None and svc.fair_slowdown < 1.0:
+        ctx.error(("service", "fair_slowdown"), "must be >= 1 (or null: no holding back)")
     if svc.max_body_bytes < 1024:
         ctx.error(("service", "max_body_bytes"), "must be >= 1024")
     for fname in ("queue_timeout_s", "drain_timeout_s"):

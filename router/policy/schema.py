@@ -383,6 +383,12 @@ class ServiceConfig:
     """Largest deadline a client may ask for with ``x-request-timeout`` (seconds)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, in-flight work gets this long to finish before it is cancelled."""
+    fair_slowdown: float | None = 1.25
+    """Device time between callers (tenant, or key without one): while a caller holding fewer
+    sequences than an equal split of the device's batch slots has work, callers holding more sit
+    out the turns that would make the light caller's steps take more than this many times as long
+    as without them (they still get that share of the device, in full batches). null: slots are
+    shared, time is not (on a GPU extra rows cost little either way; on a CPU each costs compute)."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
