@@ -13,6 +13,8 @@ Outcome data (read from ../shared/data/routing, never copied here):
 
 Routers: ``value`` (the shipped score), ``previous`` (the previous configuration, 3.0: the same
 features with the length in word tokens instead of characters, refitted here on the same data),
+``gated`` (issue 32's candidate, not shipped: the code-symbols flag gated off on multiple-choice
+questions, so an exam question's score is monotone in its length; refitted here; LOFO too),
 prompt length (characters) and random (mean of 50). Every APGR has a 95 % percentile bootstrap interval.
 
 **Leave-one-family-out** (the honest figure for a family the score never saw): each family of
@@ -39,6 +41,7 @@ from classifier.outcome_train import (
     DIFFICULTY_7B,
     DIFFICULTY_PAIR,
     DROPPED_SUBJECTS,
+    GATED_CONFIG,
     MMLU_OUTCOMES,
     OUTCOME_CONFIG,
     PROXY_PATH,
@@ -61,7 +64,11 @@ from classifier.validation import LENGTH, RANDOM, family_table, lofo_values, wor
 
 FOLDS = 5
 SECOND_PAIR = (DIFFICULTY_PAIR[0], "cognitivecomputations/dolphin-2.6-mistral-7b")
-CANDIDATES: dict[str, OutcomeConfig] = {"shipped": OUTCOME_CONFIG, "previous": TOKENS_CONFIG}
+CANDIDATES: dict[str, OutcomeConfig] = {
+    "shipped": OUTCOME_CONFIG,
+    "previous": TOKENS_CONFIG,
+    "gated": GATED_CONFIG,
+}
 
 
 def _short(model: str) -> str:
@@ -155,8 +162,14 @@ def latency(clf: ComplexityClassifier, runs: int = 2000) -> dict[str, float]:
     }
 
 
-def plot(lofo: dict[str, dict[str, Any]], shipped: dict[str, dict[str, Any]], path: Any) -> None:
-    """One panel per set: LOFO APGR (and shipped, in-sample) per family, with intervals."""
+def plot(
+    lofo: dict[str, dict[str, Any]],
+    shipped: dict[str, dict[str, Any]],
+    path: Any,
+    candidate: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """One panel per set: LOFO APGR (and shipped, in-sample) per family, with intervals; with
+    ``candidate`` (LOFO tables of another configuration) its bars too."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,11 +184,15 @@ def plot(lofo: dict[str, dict[str, Any]], shipped: dict[str, dict[str, Any]], pa
             ("value (shipped)", [shipped[name][f]["value"] for f in families]),
             (LENGTH, [table[f][LENGTH] for f in families]),
         ]
+        if candidate is not None:
+            bars.insert(1, ("gated (candidate), LOFO", [candidate[name][f]["value"] for f in families]))
+        width = 0.8 / len(bars)
         for i, (label, blocks) in enumerate(bars):
             mid = np.array([b["apgr"] for b in blocks])
             lo = mid - np.array([b["ci95"][0] for b in blocks])
             hi = np.array([b["ci95"][1] for b in blocks]) - mid
-            ax.bar(x + (i - 1) * 0.27, mid, width=0.27, yerr=[lo, hi], capsize=2, label=label)
+            offset = (i - (len(bars) - 1) / 2) * width
+            ax.bar(x + offset, mid, width=width, yerr=[lo, hi], capsize=2, label=label)
         ax.scatter(
             x, [table[f][RANDOM]["apgr"] for f in families], color="k", marker="_", s=300, label=RANDOM
         )
@@ -200,12 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sets = eval_sets()
     clf = ComplexityClassifier.load()
     previous = _fitted(TOKENS_CONFIG)
+    gated = _fitted(GATED_CONFIG)
     shipped: dict[str, Any] = {}
     for name, rows in sets.items():
         prompts = [r["prompt"] for r in rows]
         routers: dict[str, Any] = {
             "value": [s.value for s in clf.score_batch(prompts)],
             "previous": outcome_proba(previous, prompts),
+            "gated": outcome_proba(gated, prompts),
         }
         shipped[name] = family_table(rows, routers, args.draws)
     lofo = {name: lofo_tables(config, sets, args.draws) for name, config in CANDIDATES.items()}
@@ -215,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "shipped": shipped,
         "lofo": lofo["shipped"],
         "lofo_previous": lofo["previous"],
+        "lofo_gated": lofo["gated"],
         "selection": selection(lofo),
     }
     if not args.no_latency:
@@ -222,22 +242,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_cv:
         mmlu = [r for r in load_outcomes(MMLU_OUTCOMES) if r["subject"] not in DROPPED_SUBJECTS]
         result["grouped_cv"] = grouped_cv(mmlu)
-    plot(lofo["shipped"], shipped, plot_path("routing_quality"))
+    plot(lofo["shipped"], shipped, plot_path("routing_quality"), candidate=lofo["gated"])
     path = write_json("routing_quality", result)
-    print("| set | family | n | gap | value (shipped) | value LOFO | previous | length | random |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| set | family | n | gap | value (shipped) | value LOFO | gated | gated LOFO | length | random |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, table in shipped.items():
         for family, e in table.items():
             if not e.get("judged"):
                 continue
             lo = lofo["shipped"][name].get(family, e)["value"]
+            glo = lofo["gated"][name].get(family, e)["value"]
 
             def cell(b: dict[str, Any]) -> str:
                 return f"{b['apgr']:.3f} [{b['ci95'][0]:.2f}, {b['ci95'][1]:.2f}]"
 
             print(
                 f"| {name} | {family} | {e['n']} | {e['gap']:+.3f} | {cell(e['value'])} | {cell(lo)} | "
-                f"{cell(e['previous'])} | {cell(e[LENGTH])} | {e[RANDOM]['apgr']:.3f} |"
+                f"{cell(e['gated'])} | {cell(glo)} | {cell(e[LENGTH])} | {e[RANDOM]['apgr']:.3f} |"
             )
     print(f"selection (worst LOFO family): {result['selection']}")
     if "grouped_cv" in result:

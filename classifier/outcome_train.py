@@ -57,6 +57,7 @@ __all__ = [
     "DIFFICULTY_7B",
     "DIFFICULTY_PAIR",
     "DROPPED_SUBJECTS",
+    "GATED_CONFIG",
     "MMLU_OUTCOMES",
     "OUTCOME_CONFIG",
     "OUTCOME_VERSION",
@@ -104,6 +105,8 @@ DOMAIN_GROUPS: tuple[str, ...] = (
 # words must not make a coding task "maths"); flags for exam questions and code-looking prompts.
 CODE_OVERRIDE = ("code", (("code_symbols", 3), ("code", 1)))
 FAMILY_FLAGS = (("choices", 3), ("code_symbols", 3))
+# Flag groups gated off on multiple-choice questions with the domain cues (OutcomeConfig.gate_flags).
+FLAG_GROUPS_GATED: tuple[str, ...] = ("code_symbols",)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,14 @@ class OutcomeConfig:
     """Sample weight of each pass-rate row."""
     flags: tuple[tuple[str, int], ...] = FAMILY_FLAGS
     """FamilyCounts' 0/1 columns ``(group, at least)``."""
+    gate_flags: bool = False
+    """Gate the code-symbols count (and so its flag) off on multiple-choice questions too
+    (:data:`GATED_CONFIG`, measured, not shipped): there the only column left that varies is the
+    length, so an exam question's score is monotone in its length. The shipped 3.1 keeps the flag
+    there, where it fires on the parentheses, dollar signs and slashes of prose questions: a
+    between-category prior on pooled MMLU (held-out APGR 0.703; gated 0.657 = length) that puts
+    ``mmlu_other`` below prompt length inside the category (0.582 vs 0.609; gated 0.609).
+    benchmarks/routing_quality measures both per family, leave-one-family-out."""
     length_unit: str = "chars"
     """FamilyCounts' length column: characters of the model text (the ``prompt length`` baseline's
     unit) or word tokens (the previous artifact). Characters route MMLU's held-out STEM subjects
@@ -141,6 +152,9 @@ OUTCOME_CONFIG = OutcomeConfig()
 # Earlier shipped configurations, kept for side-by-side runs: 3.0 (length in word tokens) and
 # 2.x (log counts of domain cues, no 7-8B rows).
 TOKENS_CONFIG = OutcomeConfig(name="lr-family-tokens", length_unit="tokens")
+# Issue 32's candidate, measured beside the shipped score: the code-symbols flag gated off on
+# exam questions (classifier/README.md, "Routing score", has the per-family table).
+GATED_CONFIG = OutcomeConfig(name="lr-family-length-gated", gate_flags=True)
 COUNTS_CONFIG = OutcomeConfig(name="lr-outcome-groups", features="counts")
 
 
@@ -152,9 +166,8 @@ def _features(config: OutcomeConfig) -> Any:
 
     from classifier.features import FamilyCounts, TokenCounts
 
-    gating: dict[str, Any] = (
-        {"gate": "choices", "gated": DOMAIN_GROUPS, "gate_at": 3} if config.gate_domain else {}
-    )
+    gated = (*DOMAIN_GROUPS, *FLAG_GROUPS_GATED) if config.gate_flags else DOMAIN_GROUPS
+    gating: dict[str, Any] = {"gate": "choices", "gated": gated, "gate_at": 3} if config.gate_domain else {}
     if config.features == "family":
         counts: Any = FamilyCounts(
             OUTCOME_GROUPS,

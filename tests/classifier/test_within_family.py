@@ -1,0 +1,152 @@
+"""Inside one task family the routing score must keep the length signal (issue 32).
+
+The shipped score (3.1) ranks multiple-choice exam questions by length *and* by a code-symbols
+flag that fires on the parentheses, slashes and dollar signs of prose questions: within MMLU's
+``other`` category that flag reorders prompts against their length and puts the score below the
+prompt-length baseline (held-out APGR 0.582 vs 0.609). ``OutcomeConfig.gate_flags``
+(:data:`~classifier.outcome_train.GATED_CONFIG`) gates the flag off on exam questions, so their
+only varying column is the length. These tests pin that mechanism, in scikit-learn and in the
+ONNX graph, and keep the shipped artifact's known gap visible as a strict xfail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from classifier.outcome_train import (
+    CODE_OVERRIDE,
+    DOMAIN_GROUPS,
+    FLAG_GROUPS_GATED,
+    GATED_CONFIG,
+    OUTCOME_CONFIG,
+    fit_outcomes,
+    outcome_proba,
+)
+from classifier.text import OUTCOME_GROUPS, model_text
+
+ROOT = Path(__file__).resolve().parents[2]
+MMLU = ROOT.parent / "shared/data/routing/mmlu_outcomes.jsonl.gz"
+
+OPTIONS = "\nA. one\nB. two\nC. three\nD. four\nAnswer:"
+# Prose exam questions: the first ones carry three or more code symbols ((, ), /, $), the rest none.
+SYMBOLIC = [
+    "Which clause (if any) of the 1787 text covers this (see art. 2/3)?",
+    "A firm's costs (fixed and variable) rose from $40 to $55 per unit/day; which cause is most likely?",
+]
+PLAIN = [
+    "Which treaty ended the war?",
+    "Which of the following best describes the main purpose of a central bank in a modern economy",
+    "According to the passage, which of the following statements about the migration of the birds "
+    "described by the author is best supported by the evidence given in the second paragraph",
+]
+
+
+def _exam(question: str) -> str:
+    return question + OPTIONS
+
+
+def _family_counts(gated: tuple[str, ...]) -> object:
+    from classifier.features import FamilyCounts
+
+    counts = FamilyCounts(
+        OUTCOME_GROUPS,
+        gate="choices",
+        gated=gated,
+        gate_at=3,
+        domains=DOMAIN_GROUPS,
+        override=CODE_OVERRIDE,
+        flags=OUTCOME_CONFIG.flags,
+        length_unit="chars",
+    )
+    return counts.fit([])
+
+
+def test_gated_exam_questions_differ_only_in_length_in_sklearn_and_onnx() -> None:
+    """Catches the code-symbols flag firing on exam questions (3.1's gating leaves it on): with the
+    flag gated, two exam questions' feature rows differ in the length column alone, and the ONNX
+    graph computes the same rows."""
+    import onnxruntime
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    from classifier.features import register_converters
+    from classifier.train import TARGET_OPSET
+
+    register_converters()
+    texts = [model_text(_exam(q)) for q in SYMBOLIC + PLAIN]
+    flag = 1 + len(DOMAIN_GROUPS) + 1  # [length, family one-hot, choices flag, code-symbols flag]
+    old = np.asarray(_family_counts(DOMAIN_GROUPS).transform(texts))  # type: ignore[attr-defined]
+    assert old[: len(SYMBOLIC), flag].tolist() == [1.0] * len(SYMBOLIC)  # the 3.1 mechanism
+    assert old[len(SYMBOLIC) :, flag].tolist() == [0.0] * len(PLAIN)
+
+    gated = _family_counts((*DOMAIN_GROUPS, *FLAG_GROUPS_GATED))
+    rows = np.asarray(gated.transform(texts))  # type: ignore[attr-defined]
+    assert (rows[:, 1:] == rows[0, 1:]).all()  # every column but the length is the same
+    assert rows[0, 1 + len(DOMAIN_GROUPS)] == 1.0  # the choices flag is what stays on
+    np.testing.assert_allclose(rows[:, 0], np.log1p([len(t) for t in texts]), rtol=1e-6)
+
+    graph = convert_sklearn(
+        gated, initial_types=[("text", StringTensorType([None, 1]))], target_opset=TARGET_OPSET
+    )
+    session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = session.run(None, {"text": np.array([[t] for t in texts], dtype=object)})[0]
+    np.testing.assert_allclose(out, rows, rtol=1e-6, atol=1e-6)
+
+
+def _outcome_rows() -> list[dict[str, object]]:
+    """Exam questions whose code symbols go with the strong model's gain (so a model that sees the
+    flag learns a positive weight for it) and whose gain grows with length, plus free-form rows."""
+    rows: list[dict[str, object]] = []
+    for i in range(60):
+        words = " ".join(["word"] * (3 + i % 20))
+        symbolic = i % 3 == 0
+        question = f"Which {words} applies (see {i}/{i + 1}) $?" if symbolic else f"Which {words} applies?"
+        gain = symbolic or i % 20 >= 12
+        rows.append({"prompt": _exam(question), "weak": 0 if gain else 1, "strong": 1})
+    for i in range(30):
+        rows.append({"prompt": f"Write a short poem number {i} about rain.", "weak": 1, "strong": 1})
+        rows.append({"prompt": f"Solve {i} + {i} * 3 step by step and explain.", "weak": 0, "strong": 1})
+    return rows
+
+
+def test_gated_score_never_ranks_a_shorter_exam_question_above_a_longer_one() -> None:
+    """Catches a within-family score that is not monotone in length: fitted on the same outcomes,
+    the 3.1 features put a short symbol-laden exam question above longer plain ones; the gated
+    features rank every exam question by its length (to a tolerance of 1e-9)."""
+    rows = _outcome_rows()
+    probes = [_exam(q) for q in SYMBOLIC + PLAIN]
+    order = np.argsort([len(model_text(p)) for p in probes], kind="stable")
+
+    gated = outcome_proba(fit_outcomes(rows, GATED_CONFIG), probes)[order]
+    assert (np.diff(gated) >= -1e-9).all(), gated
+    assert gated[-1] > gated[0]  # the length term is there, not flattened
+
+    flagged = outcome_proba(fit_outcomes(rows, OUTCOME_CONFIG), probes)[order]
+    assert (np.diff(flagged) < -1e-9).any(), flagged  # the old behaviour this guards against
+
+
+@pytest.mark.shared_data(MMLU)
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 32 open: the shipped 3.1 score routes held-out mmlu_other at 0.582 vs prompt "
+    "length 0.609 (code-symbols flag on exam questions); gate_flags fixes it but is not shipped",
+)
+def test_shipped_score_is_not_below_length_in_any_heldout_mmlu_category(shipped: object) -> None:
+    """The acceptance check on the shipped artifact: per MMLU category of the held-out subjects,
+    APGR >= prompt length - 0.01. Strict xfail while it fails, so shipping a fix makes it XPASS
+    (and this marker must go)."""
+    from classifier.outcomes import heldout_subjects, load_outcomes
+    from classifier.validation import LENGTH, family_table
+
+    mmlu = load_outcomes(MMLU)
+    held = set(heldout_subjects([r["subject"] for r in mmlu]))
+    rows = [r for r in mmlu if r["subject"] in held]
+    values = [s.value for s in shipped.score_batch([r["prompt"] for r in rows])]  # type: ignore[attr-defined]
+    table = family_table(rows, {"value": values}, draws=20, pooled=False)
+    short = {f: (e["value"]["apgr"], e[LENGTH]["apgr"]) for f, e in table.items() if e.get("judged")}
+    assert len(short) == 4
+    assert all(v >= length - 0.01 for v, length in short.values()), short
