@@ -54,7 +54,11 @@ def supports_fast_path(model: Any) -> bool:
 
 
 class FastDecoder:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, paged_every_query: bool = False) -> None:
+        self.paged_every_query = paged_every_query
+        """The paged kernel also serves prompt chunks over ``PAGED_ATTENTION_MAX_Q_LEN`` queries:
+        one kernel for every query length makes a row's logits independent of chunk boundaries
+        (batch invariance, the policy's ``batch_invariant``)."""
         self.base = model.base_model
         cfg = model.config.get_text_config()
         self.num_heads = int(cfg.num_attention_heads)
@@ -113,7 +117,9 @@ class FastDecoder:
     def paged_attention_serves(self, q_len: int) -> bool:
         """Whether attention of a group with ``q_len`` queries per row runs the paged kernel
         (then the group needs no mask and no gathered copy of its blocks)."""
-        return self._paged_attention is not None and q_len <= PAGED_ATTENTION_MAX_Q_LEN
+        return self._paged_attention is not None and (
+            self.paged_every_query or q_len <= PAGED_ATTENTION_MAX_Q_LEN
+        )
 
     @property
     def uses_flex(self) -> bool:

@@ -117,7 +117,10 @@ class ModelRunner:
         max_model_len: int = 2048,
         enable_prefix_caching: bool = True,
         fast_path: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: the fast path's paged attention kernel serves every query length
+        (``FastDecoder``), so a row's logits do not depend on how its prompt was chunked."""
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -143,7 +146,8 @@ class ModelRunner:
         self.blocks.copy_block = self._copy_block
         self.base = self.model.base_model
         # Llama-family models skip HF's layer stack for a lean loop over the same modules.
-        self.fast = FastDecoder(self.model) if fast_path and supports_fast_path(self.model) else None
+        fast = fast_path and supports_fast_path(self.model)
+        self.fast = FastDecoder(self.model, paged_every_query=batch_invariant) if fast else None
 
     @property
     def kv_bytes(self) -> int:

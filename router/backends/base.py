@@ -83,6 +83,7 @@ def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.kv_cache_tokens,
         cfg.block_size,
         cfg.prefix_caching,
+        cfg.batch_invariant,
         cfg.served_model_name,
         cfg.api_key_env,
         cfg.timeout_s,

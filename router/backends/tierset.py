@@ -273,6 +273,7 @@ def build_tiers(
                 block_size=cfg.block_size,
                 max_model_len=cfg.max_model_len,
                 enable_prefix_caching=cfg.prefix_caching,
+                batch_invariant=cfg.batch_invariant,
             )
 
         try:

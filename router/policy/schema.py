@@ -92,6 +92,13 @@ class TierConfig:
     """Tokens per KV block (the unit of allocation and of prefix sharing)."""
     prefix_caching: bool = True
     """Keep full blocks findable by their prefix after their sequence ends (cross-request reuse)."""
+    batch_invariant: bool = True
+    """A temperature-0 answer that does not depend on other traffic: on the CPU fast path one
+    attention kernel (the paged one) serves every query length, so a prompt computed whole, in
+    chunks, or from the prefix cache gives the same logits (measured cost on a 512-token prefill:
+    within 3%, noise). The quantized GEMM paths and oneDNN's packed fp32 are row-independent already;
+    fp32 through MKL (Intel) or the one/two-row GEMV kernel (AVX512) still switches by batch size.
+    false: prompt chunks over 64 tokens take gather + SDPA."""
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     served_model_name: str | None = None
     """Remote tiers: the ``model`` value sent upstream (default: the tier name)."""

@@ -11,11 +11,12 @@ fillers) vs after it (prefix-cache hits), with a small token budget (chunked pro
 What the runner-level tests pin on this code: every quantized path (int8, int4 on torch's kernel
 or the tiled one, W4A8) and the packed oneDNN fp32 path are bitwise invariant to the batch and to
 chunk boundaries as long as one attention kernel serves every query length (the paged kernel, or
-gather + SDPA). What does not hold, measured and left as it is (see the report of issue 34): the
-default attention switch at ``PAGED_ATTENTION_MAX_Q_LEN`` query tokens makes a prompt chunk of 65+
-tokens and the same tokens in smaller chunks differ (bf16 tiers: ~0.1 in the logits; fp32:
-~1e-5), and fp32 through torch's own GEMM (unpacked ``nn.Linear``, MKL's packed GEMM, HF's
-generic forward) gives a decode row ~3e-6 apart alone vs batched.
+gather + SDPA); the policy's ``batch_invariant`` (default on) makes the paged kernel serve every
+length. What does not hold, measured: without it, the attention switch at
+``PAGED_ATTENTION_MAX_Q_LEN`` query tokens makes a prompt chunk of 65+ tokens and the same tokens
+in smaller chunks differ (bf16 tiers: ~0.1 in the logits; fp32: ~1e-5), and fp32 through
+torch's own GEMM (unpacked ``nn.Linear``, MKL's packed GEMM, HF's generic forward) gives a decode
+row ~3e-6 apart alone vs batched.
 """
 
 from __future__ import annotations
@@ -182,21 +183,31 @@ SYSTEM = list(range(40, 64))
 """A system prompt every request shares (24 tokens: six full blocks, cache hits after the first)."""
 
 
-def _tier(model_dir: Path, quantization: str, **kw: Any) -> ModelRunner:
+def _tier(model_dir: Path, quantization: str, batch_invariant: bool = False, **kw: Any) -> ModelRunner:
     loaded = load_model(str(model_dir), device="cpu", quantization=quantization, **kw)  # type: ignore[arg-type]
-    return ModelRunner(loaded, num_blocks=1024, block_size=4, max_model_len=256, enable_prefix_caching=True)
+    return ModelRunner(
+        loaded,
+        num_blocks=1024,
+        block_size=4,
+        max_model_len=256,
+        enable_prefix_caching=True,
+        batch_invariant=batch_invariant,
+    )
 
 
-def _build_tiers(worker: DeviceWorker, model_dir: Path, budget: int) -> dict[str, Engine]:
+def _build_tiers(
+    worker: DeviceWorker, model_dir: Path, budget: int, batch_invariant: bool = False
+) -> dict[str, Engine]:
     """The default policy's tiers over the tiny model: small (int4 g64, int4 head, W4A8, n-gram
     drafts), medium (int4 g32, W4A8, drafts with small's runner), large (fp32, drafts with
     medium's), each stepping at most ``budget`` tokens (prompts run in chunks of it, and of half
     of it while others decode or wait)."""
 
     def build() -> dict[str, Engine]:
-        small = _tier(model_dir, "int4", group_size=64, int4_head=True, int8_activations=True)
-        medium = _tier(model_dir, "int4", group_size=32, int8_activations=True)
-        large = _tier(model_dir, "none")
+        inv = batch_invariant
+        small = _tier(model_dir, "int4", inv, group_size=64, int4_head=True, int8_activations=True)
+        medium = _tier(model_dir, "int4", inv, group_size=32, int8_activations=True)
+        large = _tier(model_dir, "none", inv)
         config = SchedulerConfig(
             max_num_seqs=16, max_model_len=256, max_num_batched_tokens=budget, max_waiting=64
         )
@@ -228,8 +239,9 @@ def tiers(worker: DeviceWorker, tiny_model_dir: Path) -> dict[str, Engine]:
 @pytest.fixture(scope="module")
 def wide_tiers(worker: DeviceWorker, tiny_model_dir: Path) -> dict[str, Engine]:
     """A 128-token budget: a long prompt alone runs as one chunk of more than 64 tokens, inside a
-    burst as chunks of at most 64."""
-    return _build_tiers(worker, tiny_model_dir, 128)
+    burst as chunks of at most 64; the runners as the policy's ``batch_invariant`` (the default)
+    builds them."""
+    return _build_tiers(worker, tiny_model_dir, 128, batch_invariant=True)
 
 
 async def _answer(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], int, int]:
@@ -293,13 +305,12 @@ async def test_long_prompts_answer_the_same_however_chunked_with_one_attention_k
     wide_tiers: dict[str, Engine], tier: str, drafting: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts of 74-113 tokens: alone one chunk of more than 64 queries, in a burst chunks of at
-    most 64. With the paged attention kernel serving every query length the answers stay the
-    same. (With the default switch to gather + SDPA past 64 queries they do not: measured, all 4
-    small and medium cases differ on the tiny model; large held. Catches any other source of
-    chunk dependence, and is what the default would need to make this hold.)"""
+    most 64. With ``batch_invariant`` (the policy default) the paged attention kernel serves every
+    query length and the answers stay the same. (Without it, gather + SDPA past 64 queries, they
+    do not: measured, all 4 small and medium cases differ on the tiny model; large held.) Catches
+    the flag not reaching the runner, and any other source of chunk dependence."""
     if cpu_kernels.paged_attention_op() is None:
         pytest.skip("the paged attention kernel is not built on this host")
-    monkeypatch.setattr(fast_forward, "PAGED_ATTENTION_MAX_Q_LEN", 1 << 30)
     sdpa_calls = [0]
     real = fast_forward.F.scaled_dot_product_attention
 
