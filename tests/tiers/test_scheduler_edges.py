@@ -200,58 +200,69 @@ def test_a_branch_forks_once_its_leader_has_all_but_the_last_prompt_token() -> N
 
 
 def test_a_branch_shares_every_full_block_up_to_its_own_last_token() -> None:
-    """A 13-token prompt with blocks of 4: the leader has computed all 13, the branch may share
-    the blocks of its first 12 (3 blocks) and feeds 1. Catches the fork length taken as
-    ``num_tokens - 2`` (2 blocks shared, 5 fed) or ``num_tokens`` (all 13: nothing left to feed)."""
-    sched = make(max_num_batched_tokens=64)
-    leader = seq(13)
-    sched.add(leader)
-    run(sched, sched.schedule())
-    branch = seq(13, fork_of=leader)
-    sched.add(branch)
-    batch = sched.schedule()
-    assert batch is not None and branch in batch.seqs
-    assert branch.num_computed_tokens == 12 and batch.num_new_tokens[batch.seqs.index(branch)] == 1
-    assert branch.block_table.blocks[:3] == leader.block_table.blocks[:3]
-    assert sched.blocks.ref_counts[leader.block_table.blocks[0]] == 2
+    """Blocks of 4, the leader's prompt fully computed. 13 tokens: the branch may share the blocks
+    of its first 12 (3 blocks) and feeds 1; 16 tokens: the blocks of its first 15 (3 blocks, the
+    4th would hold its last token) and feeds 4. Catches the fork length taken as
+    ``num_tokens - 2`` (13: 2 blocks shared, 5 fed) or ``num_tokens`` / ``+ 1`` (16: all 4 blocks
+    shared, nothing left to feed, the branch never admitted)."""
+    for n, shared, fed in ((13, 3, 1), (16, 3, 4)):
+        sched = make(max_num_batched_tokens=64)
+        leader = seq(n)
+        sched.add(leader)
+        run(sched, sched.schedule())
+        assert leader.num_computed_tokens == n
+        branch = seq(n, fork_of=leader)
+        sched.add(branch)
+        batch = sched.schedule()
+        assert batch is not None and branch in batch.seqs, n
+        assert branch.num_computed_tokens == 4 * shared, n
+        assert batch.num_new_tokens[batch.seqs.index(branch)] == fed, n
+        assert branch.block_table.blocks[:shared] == leader.block_table.blocks[:shared]
+        assert sched.blocks.ref_counts[leader.block_table.blocks[0]] == 2
+        assert branch.block_table.blocks[shared] not in leader.block_table.blocks
 
 
 def test_a_branch_whose_leader_finished_prefills_on_its_own() -> None:
-    """A finished leader has nothing to share: the branch drops ``fork_of`` and is admitted (from
-    the prefix cache); a preempted (waiting) leader makes it wait. Catches the finished check
-    turned around, which would strand the branch or fork a freed table."""
-    sched = make()
+    """A finished leader has nothing to share: the branch drops ``fork_of`` and is admitted from
+    the prefix cache (the leader's named blocks, taken off the free list); a preempted (waiting)
+    leader makes it wait. Catches ``fork_of`` kept for a finished leader (the branch forks the
+    freed table: its blocks referenced while still on the free list) and the checks turned around."""
+    sched = make(max_num_seqs=1)
     leader = seq(10)
     branch = seq(10, fork_of=leader)
     sched.add(leader)
     sched.add(branch)
-    sched.schedule()
+    run(sched, sched.schedule())
     sched._preempt(leader, ScheduledBatch([], [], [], []))
     sched.waiting.remove(leader)  # keep the leader waiting but out of this step's admission
-    batch = sched.schedule()
-    assert batch is None and branch.fork_of is leader
+    assert sched.schedule() is None and branch.fork_of is leader
     sched.finish(leader, SequenceStatus.FINISHED_ABORTED, "abort")
     batch = sched.schedule()
     assert batch is not None and batch.seqs == [branch] and branch.fork_of is None
+    assert branch.num_cached_tokens == 8  # the leader's two named blocks
+    assert set(branch.block_table.blocks).isdisjoint(sched.blocks._free)
+    assert all(sched.blocks.ref_counts[b] == 1 for b in branch.block_table.blocks)
 
 
 # -- _allocate_new: the prefix cache's bounds and scope --------------------------------------
 
 
 def test_a_prefix_hit_takes_every_full_block_before_the_last_token() -> None:
-    """13 tokens in blocks of 4: the first 12 are cached, so the hit is 3 blocks and 1 token is
-    fed. Catches the limit ``num_tokens - 2`` (2 blocks hit) and ``num_tokens`` (all 13 hit,
-    nothing fed to produce the next token)."""
-    sched = make()
-    first = seq(13)
-    sched.add(first)
-    run(sched, sched.schedule())
-    same = seq(13)
-    sched.add(same)
-    batch = sched.schedule()
-    assert batch is not None and same in batch.seqs
-    assert same.num_cached_tokens == 12 and batch.num_new_tokens[batch.seqs.index(same)] == 1
-    assert same.block_table.blocks[:3] == first.block_table.blocks[:3]
+    """Blocks of 4, the first request's blocks named. 13 tokens: 12 are cached (3 blocks), 1 is
+    fed; 16 tokens: 15 may be served, so 3 blocks (12) hit and 4 are fed - the last token must be
+    computed to give the next one. Catches the limit ``num_tokens - 2`` (13: 2 blocks hit) and
+    ``num_tokens`` (16: all 4 blocks hit, nothing fed, the request never admitted)."""
+    for n, hit in ((13, 12), (16, 12)):
+        sched = make()
+        first = seq(n)
+        sched.add(first)
+        run(sched, sched.schedule())
+        same = seq(n)
+        sched.add(same)
+        batch = sched.schedule()
+        assert batch is not None and same in batch.seqs, n
+        assert same.num_cached_tokens == hit and batch.num_new_tokens[batch.seqs.index(same)] == n - hit
+        assert same.block_table.blocks[: hit // 4] == first.block_table.blocks[: hit // 4]
 
 
 def test_two_cache_salts_never_share_a_block() -> None:
