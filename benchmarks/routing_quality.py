@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not e.get("judged"):
                 continue
             lo = lofo["shipped"][name].get(family, e)["value"]
-            glo = lofo["gated"][name].get(family, e)["value"]
+            glo = lofo["gated"][name].get(family, {"value": e["gated"]})["value"]
 
             def cell(b: dict[str, Any]) -> str:
                 return f"{b['apgr']:.3f} [{b['ci95'][0]:.2f}, {b['ci95'][1]:.2f}]"
