@@ -135,15 +135,19 @@ def test_bytes_input(shipped: ComplexityClassifier) -> None:
     _check(shipped.score(os.urandom(4096)))
 
 
-def test_huge_input_is_truncated_and_fast(shipped: ComplexityClassifier) -> None:
+def test_huge_input_is_scored_from_its_ends_only(shipped: ComplexityClassifier) -> None:
+    # Bounded work for any input: a 1 MB text scores exactly as its first 3,000 and last 1,000
+    # characters joined by a newline do (the documented cut): the model never sees more. Catches a cut
+    # that keeps the whole text (its time grows with the input) or the wrong ends. How fast it is
+    # is benchmarks/classifier.py's figure, not a timed assertion.
     huge = ("All work and no play makes Jack a dull boy. " * 25_000)[: 2**20]
-    shipped.score(huge)  # warm-up
-    start = time.perf_counter()
+    huge = "Start: prove the theorem. " + huge + " End: thanks!"
     score = shipped.score(huge)
-    elapsed = time.perf_counter() - start
     _check(score)
     assert score.truncated
-    assert elapsed < 0.05, f"1 MB took {elapsed * 1000:.1f} ms"
+    cut = shipped.score(huge[:3000] + "\n" + huge[-1000:])
+    assert (score.value, score.tier) == (cut.value, cut.tier)
+    assert score.value != shipped.score(huge[1000:5000]).value  # the middle would score otherwise
 
 
 def test_nul_characters_are_stripped(shipped: ComplexityClassifier) -> None:
