@@ -43,6 +43,9 @@ def test_interp_is_piecewise_linear_and_extrapolates_from_the_end_segments() -> 
     # Below the first point: the first segment's line (slope 2) goes under zero: floored just above 0.
     assert SpecController._interp(pts, 0) == pytest.approx(1e-9)
     assert SpecController._interp([(1, 3.0), (2, 5.0)], 0) == pytest.approx(1.0)
+    # Costs far above the token counts: a segment is found by its x only (never compared with a y).
+    big = [(1, 10.0), (3, 20.0), (7, 30.0)]
+    assert [SpecController._interp(big, x) for x in (2, 5, 9)] == pytest.approx([15.0, 25.0, 35.0])
 
 
 def test_cost_interpolates_in_tokens_at_each_batch_then_across_batches() -> None:
@@ -242,6 +245,7 @@ def test_spec_budget_stops_one_short_of_max_tokens_and_of_the_context() -> None:
     s = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
     assert spec_budget(s, 8, 100) == 3
     assert spec_budget(s, 2, 100) == 2
+    assert spec_budget(s, 1, 100) == 1  # only k = 0 means "do not draft"
     assert spec_budget(s, 0, 100) == 0
     assert spec_budget(s, 8, 7) == 3  # context: 7 - 3 - 1
     assert spec_budget(s, 8, 4) == 0
