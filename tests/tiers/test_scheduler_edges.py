@@ -5,8 +5,11 @@ by hand from the rule in ``tiers/scheduler.py``'s docstrings, not read back from
 
 from __future__ import annotations
 
+import pytest
+
 from tiers.batch import ModelOutput, RowOutput, ScheduledBatch, SchedulerConfig
 from tiers.block_manager import BlockManager
+from tiers.pacing import queue_backlog
 from tiers.scheduler import Scheduler
 from tiers.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -299,3 +302,172 @@ def test_two_cache_salts_never_share_a_block() -> None:
     sched.add(short_same)
     run(sched, sched.schedule())
     assert short_same.num_cached_tokens == 3 and len(copies) == 1
+
+
+# -- the step's shape: kind, budget boundaries, intake -----------------------------------------
+
+
+def test_a_steps_kind_names_decode_prefill_and_mixed_batches() -> None:
+    """A prompt alone is a "prefill" step, decodes alone a "decode" step, both a "mixed" one - and
+    a prompt chunk of one token that is not the prompt's end counts as prefill. Catches the decode
+    count broken (``None``, counted twice, a 1-token chunk counted as a decode) and the kinds'
+    tests or names changed (the engine and its metrics read them)."""
+    sched = make(max_num_batched_tokens=16)
+    a = seq(3)
+    sched.add(a)
+    assert run(sched, sched.schedule()).kind == "prefill"
+    assert run(sched, sched.schedule()).kind == "decode"
+    sched.add(seq(5, start=50))
+    assert run(sched, sched.schedule()).kind == "mixed"
+    assert run(sched, sched.schedule()).kind == "decode"
+    sched = make(max_num_batched_tokens=3, max_num_seqs=2)
+    sched.add(seq(3))
+    run(sched, sched.schedule())
+    sched.add(seq(2, start=100))
+    batch = sched.schedule()
+    assert batch is not None and batch.num_new_tokens == [1, 1] and batch.kind == "mixed"
+
+
+def test_the_last_token_of_budget_still_runs_a_decode_or_admits_a_prompt() -> None:
+    """A budget of 2: two decodes both run, and one decode leaves exactly 1 token, enough to
+    admit a waiting prompt's first token. Catches ``budget <= 0`` -> ``<= 1`` (running) and
+    ``budget > 0`` -> ``> 1`` (waiting)."""
+    sched = make(max_num_batched_tokens=2, max_num_seqs=2)
+    a, b = seq(2), seq(2, start=50)
+    sched.add(a)
+    sched.add(b)
+    run(sched, sched.schedule())
+    run(sched, sched.schedule())
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs == [a, b] and batch.num_new_tokens == [1, 1]
+    sched = make(max_num_batched_tokens=2, max_num_seqs=2)
+    sched.add(a := seq(2))
+    run(sched, sched.schedule())
+    run(sched, sched.schedule())
+    late = seq(4, start=50)
+    sched.add(late)
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs == [a, late] and batch.num_new_tokens == [1, 1]
+
+
+def test_a_sequence_finished_while_waiting_is_dropped_and_the_next_admitted() -> None:
+    """A request aborted from outside the scheduler (its status set, still queued) is removed
+    when its turn comes, and admission goes on with the next one. Catches ``continue`` ->
+    ``break`` there (the next request waits a step for nothing) and the wrong entry removed."""
+    sched = make()
+    gone, next_one = seq(3), seq(3, start=50)
+    sched.add(gone)
+    sched.add(next_one)
+    gone.finish(SequenceStatus.FINISHED_ABORTED, "abort")
+    batch = sched.schedule()
+    assert batch is not None and batch.seqs == [next_one]
+    assert list(sched.waiting) == [] and sched.running == [next_one]
+
+
+def test_has_work_while_anything_runs_or_waits() -> None:
+    """Catches ``or`` -> ``and`` (an engine with only queued or only running work would idle)."""
+    sched = make(max_num_seqs=1)
+    assert not sched.has_work()
+    a, b = seq(3), seq(3, start=50)
+    sched.add(a)
+    assert sched.has_work()  # waiting only
+    run(sched, sched.schedule())
+    assert sched.has_work()  # running only
+    sched.add(b)
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED, "stop")
+    assert a.finish_reason == "stop"  # the reason is the one given
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED, "abort")
+    assert not sched.has_work() and b.finish_reason == "abort"
+
+
+def test_an_output_with_a_row_missing_is_refused() -> None:
+    """The engine's output must have one row (and one draft feed) per scheduled sequence: a short
+    one raises instead of leaving the last sequences silently un-advanced. Catches ``strict=True``
+    dropped from either zip."""
+    sched = Scheduler(SchedulerConfig(), BlockManager(32, 4), BlockManager(32, 4))
+    a, b = seq(5), seq(5, start=20)
+    for s in (a, b):
+        s.status = SequenceStatus.RUNNING
+        sched.running.append(s)
+        assert sched.blocks.allocate(s.block_table, 8)
+        s.num_computed_tokens = 4
+    batch = ScheduledBatch([a, b], [1, 1], [0, 0], [0, 0])
+    with pytest.raises(ValueError, match="shorter"):
+        sched.update_from_output(
+            batch, ModelOutput(rows=[RowOutput([7]), RowOutput([8])], draft_fed=[0]), Sink()
+        )
+    with pytest.raises(ValueError, match="shorter"):
+        sched.update_from_output(batch, ModelOutput(rows=[RowOutput([7])], draft_fed=[0, 0]), Sink())
+
+
+def test_backlog_passes_every_argument_and_default_through() -> None:
+    """``Scheduler.backlog`` is ``pacing.queue_backlog`` over a snapshot: compared with a direct
+    call, with defaults and with each argument given. Catches a default changed (``inbox_tokens``
+    1, ``expected_len`` 33) or an argument not passed on."""
+    sched = make(max_num_batched_tokens=8, max_num_seqs=2)
+    for i, caller in enumerate(("a", "a", "b", "c")):
+        sched.add(seq(6 + 3 * i, start=100 * i + 1, caller=caller))
+    run(sched, sched.schedule())
+
+    def direct(*args: object, **kw: int) -> object:
+        return queue_backlog(list(sched.running), list(sched.waiting), 2, 8, *args, **kw)  # type: ignore[arg-type]
+
+    assert sched.backlog("c") == direct("c", 0, 0, 32.0)
+    assert sched.backlog("c") != direct("c", 0, 40, 32.0)
+    assert sched.backlog("c", 3, 40, 100.0) == direct("c", 3, 40, 100.0)
+    assert sched.backlog("c", 3, 40, 100.0) != direct("c", 3, 40, 32.0)
+    assert sched.backlog("a", 3, 40, 16.0, inbox_mine=2, inbox_mine_tokens=30) == direct(
+        "a", 3, 40, 16.0, inbox_mine=2, inbox_mine_tokens=30
+    )
+
+
+# -- speculation in the step -------------------------------------------------------------------
+
+
+def spec_sched(budget: int = 3) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16),
+        BlockManager(64, 4),
+        BlockManager(64, 4),
+        spec_budget=lambda s: budget,
+    )
+
+
+def test_a_running_prompt_chunk_never_gets_speculative_tokens() -> None:
+    """Drafting is for decodes: a prompt's second chunk (running, not decoding) gets none, though
+    the budget has room. Catches a non-decode's wanted drafts set to 1 instead of 0."""
+    sched = spec_sched()
+    s = seq(24)
+    sched.add(s)
+    first = run(sched, sched.schedule())
+    s.num_draft_computed_tokens += first.num_draft_tokens[0]  # the engine's draft feed: caught up
+    assert s.num_draft_computed_tokens == s.num_computed_tokens == 16
+    batch = sched.schedule()
+    assert batch is not None and batch.num_new_tokens == [8] and batch.num_spec_tokens == [0]
+
+
+def test_a_draft_at_most_eight_tokens_behind_speculates_and_nine_does_not() -> None:
+    """MAX_DRAFT_CATCHUP = 8 is inclusive: a draft 8 tokens behind catches up and drafts in the
+    same step; 9 behind is caught up without drafting first. Catches ``<=`` -> ``<`` and the lag
+    test dropped."""
+    for behind, k in ((8, 3), (9, 0)):
+        sched = spec_sched()
+        s = seq(12)
+        sched.add(s)
+        run(sched, sched.schedule())
+        assert s.num_tokens == 13
+        s.num_draft_computed_tokens = 13 - behind
+        batch = sched.schedule()
+        assert batch is not None and batch.num_new_tokens == [1] and batch.num_spec_tokens == [k], behind
+
+
+def test_a_preempted_sequence_forgets_its_draft_position() -> None:
+    """Preemption frees the draft's blocks too, so its computed count goes back to 0. Catches it
+    reset to 1 (the draft would skip recomputing the first token)."""
+    sched = spec_sched()
+    s = seq(6)
+    sched.add(s)
+    run(sched, sched.schedule())
+    s.num_draft_computed_tokens = 5
+    sched._preempt(s, ScheduledBatch([], [], [], []))
+    assert (s.num_computed_tokens, s.num_draft_computed_tokens) == (0, 0)
