@@ -441,8 +441,34 @@ EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
     ),
     (_SA, "block = torch.empty((len(unseeded), probs.shape[1]), ).exponential_(generator=shared)", _F32),
 ]
+_SC = "tiers/scheduler.py"
+_ROWS = (
+    "batch.seqs and batch.num_new_tokens are only ever appended together (_add_row): equal "
+    "lengths, strict never fires"
+)
+_DECODES = "1 for s, n in zip(batch.seqs, batch.num_new_tokens, {}) if n == 1 and s.is_decoding"
+EQUIVALENT_SCHEDULER: list[tuple[str, str, str]] = [
+    (
+        _SC,
+        "1 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=None) if n == 1 and s.is_decoding",
+        _ROWS,
+    ),
+    (_SC, "1 for s, n in zip(batch.seqs, batch.num_new_tokens, ) if n == 1 and s.is_decoding", _ROWS),
+    (
+        _SC,
+        "1 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=False) if n == 1 and s.is_decoding",
+        _ROWS,
+    ),
+    (_SC, "if n >= 1 and contended:", "at n = 1 the cap gives min(1, max(1, budget // 2)) = 1: unchanged"),
+    (
+        _SC,
+        "want = self._spec_wanted(seq) if (n == 1) or True else 0",
+        "n > 1 means the sequence is more than one token behind, not decoding: _spec_wanted returns 0",
+    ),
+]
 EQUIVALENT: list[tuple[str, str, str]] = [
     *EQUIVALENT_BLOCK_MANAGER,
+    *EQUIVALENT_SCHEDULER,
     *EQUIVALENT_SAMPLING,
     *EQUIVALENT_DECIDE,
     *EQUIVALENT_CACHE,
@@ -579,6 +605,7 @@ def run_module(
         work = Path(tmp) if workdir is None else workdir / module.replace("/", "_")
         if not (work / "pyproject.toml").is_file():
             _copy_repo(work, worktree=worktree)
+            (work / "MEASURED_COMMIT").write_text("working tree" if worktree else _head())
             with (work / "pyproject.toml").open("a") as fh:
                 fh.write(_config(module, tests))
         env = {**os.environ, "TIERED_ROUTER_PROPERTY_EXAMPLES": str(examples), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -599,6 +626,7 @@ def run_module(
                 f"mutmut produced no results for {module}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             )
         codes: dict[str, int | None] = json.loads(meta_path.read_text())["exit_code_by_key"]
+        commit = (work / "MEASURED_COMMIT").read_text() if (work / "MEASURED_COMMIT").is_file() else None
         killed, survived, equivalent = [], [], []
         for key, code in sorted(codes.items()):
             if code in STATUS:
@@ -617,7 +645,7 @@ def run_module(
     scored = len(codes) - len(equivalent)
     return {
         "tests": tests,
-        "commit": "working tree" if worktree else _head(),
+        "commit": commit,
         "mutants": len(codes),
         "killed": len(killed),
         "survived": len(survived),
