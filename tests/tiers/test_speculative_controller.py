@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 
 from tiers.sequence import SamplingParams, Sequence
-from tiers.speculative import EXPLORE_STEPS, SPEC_MARGIN, SPEC_RESUME_MARGIN, SpecController, spec_budget
+from tiers.speculative import (
+    EXPLORE_STEPS,
+    SPEC_MARGIN,
+    SPEC_RESUME_MARGIN,
+    NgramProposer,
+    SpecController,
+    spec_budget,
+)
 
 
 def tokens(k: int, a: float) -> float:
@@ -255,3 +262,69 @@ def test_spec_budget_stops_one_short_of_max_tokens_and_of_the_context() -> None:
     )
     assert spec_budget(Sequence([1, 2, 3], SamplingParams(max_tokens=4, seed=1)), 8, 100) == 0
     assert spec_budget(Sequence([1, 2, 3], SamplingParams(max_tokens=4, presence_penalty=0.5)), 8, 100) == 0
+
+
+def test_with_only_the_plain_step_measured_the_plain_round_is_priced() -> None:
+    """k = 0 needs no draft figure: its rate and its round are known once the plain step is.
+    Catches the draft looked up for k = 0 too (no rate: None) and a round kept whose draft is
+    unknown (None added to seconds)."""
+    c = SpecController(max_k=2, acceptance=0.8)
+    c.record_target(1, 1, 0.010)
+    assert c.expected_rate(0, 1) == pytest.approx(100.0)
+    assert c.expected_rate(1, 1) is None
+    assert c.best_round(1) == (pytest.approx(0.010), pytest.approx(1.0))
+
+
+def test_no_drafting_at_max_k_zero_even_when_profiled() -> None:
+    """Catches ``max_k <= 0`` -> ``< 0``: a profiled controller with max_k = 0 would look for an
+    exploration among no k at all (``max`` of nothing raises)."""
+    c = SpecController(max_k=0, explore_every=1)
+    c.record_target(1, 1, 0.010)
+    assert [c.choose_k(1) for _ in range(3)] == [0, 0, 0]
+
+
+def test_an_exploration_takes_the_best_k_even_when_it_is_not_the_smallest() -> None:
+    """A 2-token verify measured dear (30 ms), a 3-token one cheap (16 ms): plain decoding wins at
+    a = 0.3 (100/s against 43/s and 86/s), and the exploration tries k = 2, the better of the
+    two. Catches the exploration's key broken (every k scoring alike picks k = 1)."""
+    c = SpecController(max_k=2, acceptance=0.3, explore_every=1)
+    c.record_target(1, 1, 0.010)
+    c.record_target(1, 2, 0.030)
+    c.record_target(1, 3, 0.016)
+    c.record_draft(1, 1, 0.0001)
+    r = [c.expected_rate(k, 1) or 0.0 for k in range(3)]
+    assert r[1] < r[2] < r[0]
+    assert c.choose_k(1) == 2 and c.exploring == EXPLORE_STEPS - 1
+    assert c.choose_k(1) == 2  # the exploration's later steps too
+
+
+def test_the_exploration_ceiling_counts_only_the_ks_that_can_be_chosen() -> None:
+    """max_k = 1: a perfect draft at k = 1 loses (1.999 / 31 ms < 1 / 10 ms), so there is nothing
+    to explore - though a k = 2 round, measured cheap, would win. Catches the ceiling taken over
+    one k too many."""
+    c = SpecController(max_k=1, acceptance=0.1, explore_every=1)
+    c.record_target(1, 1, 0.010)
+    c.record_target(1, 2, 0.030)
+    c.record_target(1, 3, 0.010)
+    c.record_draft(1, 1, 0.001)
+    assert (c.expected_rate(2, 1, acceptance=0.999) or 0.0) > 100.0
+    assert [c.choose_k(1) for _ in range(4)] == [0] * 4
+
+
+def test_interp_picks_the_segment_that_holds_x_among_many() -> None:
+    """Four points: x = 4 lies on the second segment, x = 6 on the third. Catches the end
+    segment taken from the second point on (``points[+1]`` for ``points[-1]``)."""
+    pts = [(1, 1.0), (3, 3.0), (5, 13.0), (7, 15.0)]
+    assert SpecController._interp(pts, 4) == pytest.approx(8.0)
+    assert SpecController._interp(pts, 6) == pytest.approx(14.0)
+
+
+def test_an_ngram_proposer_may_use_one_n() -> None:
+    """``min_n == max_n`` is allowed (one n-gram length); ``min_n > max_n`` and ``min_n < 1`` are
+    not. Catches the bound tightened to ``min_n < max_n``."""
+    p = NgramProposer(4, 4, min_n=3, max_n=3)
+    assert p.propose(1, [1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(4, 4, min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(4, 4, min_n=0, max_n=2)
