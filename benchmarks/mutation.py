@@ -466,9 +466,117 @@ EQUIVALENT_SCHEDULER: list[tuple[str, str, str]] = [
         "n > 1 means the sequence is more than one token behind, not decoding: _spec_wanted returns 0",
     ),
 ]
+_SP = "tiers/speculative.py"
+_KNOT = "at a knot both neighbouring segments give the knot's own value"
+_DISTINCT = "the points' x are distinct (dict keys, a set of batch sizes): x1 != x0 always"
+_RATE = (
+    "every rate here is a positive float (choose_k returned max_k if any was None; a rate is "
+    "tokens over a cost floored above 0): the `or` default is never used"
+)
+_INDEX = (
+    "the n-gram index is a cache: rebuilding it, or indexing again positions already indexed, "
+    "gives the same tables (the latest occurrence written last), so the same proposal"
+)
+_NGRAM_KEY = "only n-grams of length n are ever looked up; a key of another length is never found"
+_RATIO = "a ratio from a non-empty table (ratios hold the plain points) is never None"
+_K0 = "at k = 0 the draft's cost is multiplied by 0"
+EQUIVALENT_SPECULATIVE: list[tuple[str, str, str]] = [
+    (
+        _SP,
+        "num_accepted = torch.cumprod(ok.to(None), dim=1).sum(dim=1)  # [R]",
+        "cumprod of a bool tensor promotes to int64: the same counts",
+    ),
+    (
+        _SP,
+        "at = num_accepted.clamp(max=k - 1) if (k) or True else num_accepted",
+        "`at` is read only when k > 0",
+    ),
+    (_SP, "total = residual.sum(dim=+1, keepdim=True)", "residual is [R, V] (2-D): dim +1 is dim -1"),
+    (
+        _SP,
+        "self.blocks = BlockManager(num_blocks, block_size, enable_caching=None)",
+        "enable_caching is only read for truth: None is False",
+    ),
+    (
+        _SP,
+        "def choose_k(self, batch_size: int, draft_lag: int = 2) -> int:",
+        "draft_lag is only compared with <= 2 and <= 8: 1 and 2 fall on the same side of both",
+    ),
+    (_SP, "if k < 0:", "k = 0 slices an empty proposal; " + _INDEX),
+    (_SP, "idx = None", _INDEX),
+    (_SP, "idx = self._index.get(None)", _INDEX),
+    (_SP, "if idx is None or idx.length >= len(tokens):  # new, or tokens were rolled back", _INDEX),
+    (
+        _SP,
+        "idx = self._index[seq_id] = _NgramIndex(1, [{} for _ in range(self.max_n - self.min_n + 1)])",
+        "indexing starts at max(0, length - 1): 0 for a length of 0 or 1",
+    ),
+    (_SP, "for e in range(end):", _INDEX),
+    (_SP, "for e in range(max(0, idx.length - 2), end):", _INDEX),
+    (_SP, "if e + 2 >= n:", "the extra e = n - 2 slices tokens[-1:n - 1], empty: " + _NGRAM_KEY),
+    (
+        _SP,
+        "for i in range(len(idx.last) - 1, -2, -1):",
+        "i = -1 looks up min_n - 1 tokens in the max_n table: " + _NGRAM_KEY,
+    ),
+    (
+        _SP,
+        "if len(tokens) <= n:",
+        "with exactly n tokens no earlier n-gram has a token after it: nothing is found either way",
+    ),
+    (_SP, "if x < points[0][0]:", _KNOT),
+    (_SP, "if x <= points[1][0]:", "x up to the second point lies on the first segment: " + _KNOT),
+    (_SP, "elif x > points[-1][0]:", _KNOT),
+    (_SP, "elif x >= points[-2][0]:", "x from the second-last point on lies on the last segment: " + _KNOT),
+    (
+        _SP,
+        "(x0, y0), (x1, y1) = next((a, b) for a, b in itertools.pairwise(points) if a[0] < x <= b[0])",
+        _KNOT,
+    ),
+    (
+        _SP,
+        "(x0, y0), (x1, y1) = next((a, b) for a, b in itertools.pairwise(points) if a[0] <= x < b[0])",
+        _KNOT,
+    ),
+    (_SP, "y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if (x1 != x0) or True else y0", _DISTINCT),
+    (
+        _SP,
+        "if tokens == 1 or plain is None and not self.target_ratio:",
+        "a ratio is recorded only where a plain step was measured: plain is never None while "
+        "target_ratio is non-empty",
+    ),
+    (_SP, "return None if (ratio is None) and False else plain * ratio", _RATIO),
+    (_SP, "draft = self._draft(batch_size) if k else 1.0", _K0),
+    (
+        _SP,
+        "and rounds[best][1] / rounds[best][0] < SPEC_MARGIN / rounds[0][1] / rounds[0][0]",
+        "k = 0's tokens are (1 - a) / (1 - a) = 1.0 exactly: * and / by it agree",
+    ),
+    (_SP, "best = max(rates, key=lambda k: rates[k] or 1.0)", _RATE),
+    (_SP, "if best and (rates[best] or 1.0) < margin * (rates[0] or 0.0):", _RATE),
+    (_SP, "if best and (rates[best] or 0.0) < margin * (rates[0] or 1.0):", _RATE),
+    (_SP, "return max(range(1, self.max_k + 1), key=lambda k: rates[k] or 1.0)", _RATE),
+    (
+        _SP,
+        "self.expected_rate(k, batch_size, acceptance=0.999) or 1.0 for k in range(1, self.max_k + 1)",
+        _RATE,
+    ),
+    (_SP, "and ceiling > (rates[0] or 1.0)", _RATE),
+    (
+        _SP,
+        "self.expected_rate(k, batch_size, acceptance=1.999) or 0.0 for k in range(1, self.max_k + 1)",
+        "expected_rate caps the acceptance at 0.999",
+    ),
+    (
+        _SP,
+        "self.expected_rate(k, batch_size, acceptance=0.999) or 0.0 for k in range(self.max_k + 1)",
+        "k = 0 adds rates[0] itself to the ceiling, which is never > rates[0]",
+    ),
+]
 EQUIVALENT: list[tuple[str, str, str]] = [
     *EQUIVALENT_BLOCK_MANAGER,
     *EQUIVALENT_SCHEDULER,
+    *EQUIVALENT_SPECULATIVE,
     *EQUIVALENT_SAMPLING,
     *EQUIVALENT_DECIDE,
     *EQUIVALENT_CACHE,
