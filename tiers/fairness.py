@@ -144,7 +144,10 @@ class TurnBudget:
         light, heavy = light_and_heavy(held, slots) if self.slowdown is not None else (set(), set())
         self.contended = bool(light and heavy)
         if not self.contended:
-            self.credit = 0.0
+            # No credit is banked while nobody needs protecting, but a debt stays: a light caller
+            # between two requests (a closed-loop client) must not hand the heavy callers a free
+            # turn each time it comes back.
+            self.credit = min(self.credit, 0.0)
             self.held_back = frozenset()
         else:
             self.held_back = frozenset(heavy) if self.credit < 0 else frozenset()

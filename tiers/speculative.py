@@ -124,11 +124,12 @@ class SpecController:
     """Pin k (benchmarks and tests); None lets the cost model choose."""
 
     @staticmethod
-    def _interp(points: list[tuple[int, float]], x: int) -> float:
-        """Piecewise-linear through ``points`` (sorted by x), extrapolated from the end segments."""
+    def _interp(points: list[tuple[int, float]], x: int, proportional: bool = True) -> float:
+        """Piecewise-linear through ``points`` (sorted by x), extrapolated from the end segments;
+        from a single point, in proportion to x (a time) or flat (``proportional=False``: a ratio)."""
         if len(points) == 1:
             x0, y0 = points[0]
-            return y0 * x / x0 if x0 else y0
+            return y0 * x / x0 if x0 and proportional else y0
         if x <= points[0][0]:
             (x0, y0), (x1, y1) = points[0], points[1]
         elif x >= points[-1][0]:
@@ -138,10 +139,14 @@ class SpecController:
         y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y0
         return max(y, 1e-9)
 
-    def _cost(self, table: dict[tuple[int, int], float], batch: int, tokens: int) -> float | None:
+    def _cost(
+        self, table: dict[tuple[int, int], float], batch: int, tokens: int, ratio: bool = False
+    ) -> float | None:
         """Seconds of a forward over ``batch`` rows x ``tokens`` each, from measured points:
         interpolated in tokens at each measured batch size, then across batch sizes, so every
-        batch size gets an estimate once any two are measured (none is left 'unprofiled')."""
+        batch size gets an estimate once any two are measured (none is left 'unprofiled').
+        ``ratio``: the table holds ratios to the plain step, which a single measured batch size
+        carries to the others unchanged (a time would scale with the rows)."""
         if (batch, tokens) in table:
             return table[(batch, tokens)]
         batches = sorted({b for b, _ in table})
@@ -151,7 +156,7 @@ class SpecController:
         for b in batches:
             pts = sorted((t, c) for (bb, t), c in table.items() if bb == b)
             per_batch.append((b, self._interp(pts, tokens)))
-        return self._interp(per_batch, batch)
+        return self._interp(per_batch, batch, proportional=not ratio)
 
     def _plain(self, batch_size: int) -> float | None:
         plain = {key: c for key, c in self.target_cost.items() if key[1] == 1}
@@ -162,14 +167,14 @@ class SpecController:
         if tokens == 1 or plain is None or not self.target_ratio:
             return plain if tokens == 1 else self._cost(self.target_cost, batch_size, tokens)
         ratios = {(b, 1): 1.0 for b, t in self.target_cost if t == 1} | self.target_ratio
-        ratio = self._cost(ratios, batch_size, tokens)
+        ratio = self._cost(ratios, batch_size, tokens, ratio=True)
         return None if ratio is None else plain * ratio
 
     def _draft(self, batch_size: int) -> float | None:
         plain = self._plain(batch_size)
         if plain is None or not self.draft_ratio:
             return self._cost(self.draft_cost, batch_size, 1)
-        ratio = self._cost(self.draft_ratio, batch_size, 1)
+        ratio = self._cost(self.draft_ratio, batch_size, 1, ratio=True)
         return None if ratio is None else plain * ratio
 
     def expected_rate(self, k: int, batch_size: int, acceptance: float | None = None) -> float | None:

@@ -101,6 +101,16 @@ def test_a_batch_never_measured_is_priced_from_the_measured_ones() -> None:
     assert c.expected_rate(0, 9) == pytest.approx(1 / 0.050)
 
 
+def test_a_ratio_measured_at_one_batch_size_carries_unchanged_to_the_others() -> None:
+    """Only batch 1 measured (plain 10 ms, 3-token verify ratio 1.5, draft ratio 0.2): batch 3's
+    plain step is 30 ms (a time scales with the rows), its verify 1.5 x that and its draft 0.2 x
+    that, so rate(2) = tokens(2, a) / (45 + 2 x 6) ms. Catches a ratio extrapolated in proportion
+    to the batch like a time (4.5 and 0.6 at batch 3: speculation priced 3x dearer than measured,
+    and turned off where it pays)."""
+    c = profiled(0.5)
+    assert c.expected_rate(2, 3) == pytest.approx(tokens(2, 0.5) / (0.045 + 2 * 0.006))
+
+
 def test_without_ratios_the_absolute_measurements_price_the_round() -> None:
     """A verify or draft measured before any plain step at its batch has no ratio: its absolute
     time prices it. Catches the fallback dropped (no price: None) or the wrong table read."""
