@@ -227,7 +227,7 @@ class RouterService:
             return
         limit = max(b.max_model_len for b in tiers.tiers.values() if isinstance(b, LocalTier))
         text = (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
-        if len(text) <= limit:  # at least one byte per character, at most one token per byte
+        if len(text) <= limit:  # short: cheap to tokenize, and the tier's own count decides
             return
         at_least = len(text.encode("utf-8", "surrogatepass")) // tiers.token_bytes
         if at_least > limit:
