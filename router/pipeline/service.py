@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 _Gen = Generation  # the name before request types moved to router.pipeline.calls
 
 
+def _prompt_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
+    """The text a prompt's length is judged by: the messages' contents, one per line, or the prompt."""
+    return (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
+
+
 class RouterService:
     def __init__(
         self,
@@ -226,7 +231,7 @@ class RouterService:
         if not all(isinstance(b, LocalTier) for b in tiers.tiers.values()):
             return
         limit = max(b.max_model_len for b in tiers.tiers.values() if isinstance(b, LocalTier))
-        text = (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
+        text = _prompt_text(messages, prompt)
         if len(text) <= limit:  # short: cheap to tokenize, and the tier's own count decides
             return
         at_least = len(text.encode("utf-8", "surrogatepass")) // tiers.token_bytes
@@ -247,7 +252,7 @@ class RouterService:
         tokens; below the smallest threshold any rule uses, tokenizing cannot change the decision
         and the (cheap) byte count is used instead.
         """
-        text = (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
+        text = _prompt_text(messages, prompt)
         thresholds = [
             t
             for r in policy.routing.rules
