@@ -69,9 +69,11 @@ def _context(request: Request[Any, Any, Any]) -> CallContext:
 
 
 async def _respond(request: Request[Any, Any, Any], answer: Coroutine[Any, Any, Completion]) -> Response[Any]:
-    """Run ``answer`` while watching for a client disconnect, which cancels it (freeing the slot)."""
-    work = asyncio.create_task(answer)
+    """Run ``answer`` while watching for a client disconnect, which cancels it (freeing the slot).
+
+    The watch is started first, so it is listening before the answer's first step runs."""
     watcher = asyncio.create_task(_wait_disconnect(request))
+    work = asyncio.create_task(answer)
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:

@@ -36,7 +36,7 @@ from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
 if TYPE_CHECKING:
-    from router.pipeline.calls import Generation, Routed
+    from router.pipeline.calls import Generation
     from router.policy.decide import Decision
     from router.telemetry import Telemetry
 
@@ -148,7 +148,7 @@ class ResponseWriter:
         except RemoteError as exc:
             raise remote_error(exc) from exc
 
-    def span_attributes(self, gen: Generation, d: Decision, routed: Routed) -> dict[str, Any]:
+    def span_attributes(self, gen: Generation, d: Decision, score: float) -> dict[str, Any]:
         req = gen.request
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "chat" if gen.kind == "chat" else "text_completion",
@@ -156,7 +156,7 @@ class ResponseWriter:
             "gen_ai.response.model": d.tier,
             "router.tier": d.tier,
             "router.rule": d.rule,
-            "router.score": routed.score.value,
+            "router.score": score,
             "router.reason": d.reason,
         }
         for key, value in (

@@ -30,10 +30,10 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError, OverloadedError, RouterError, UnavailableError
-from router.pipeline.calls import TierPressure
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -44,13 +44,66 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEADLINE_HEADER",
+    "Admission",
     "FairShare",
+    "TierPressure",
+    "assess",
     "client_deadline_s",
     "rejection",
     "tier_pressures",
 ]
 
 DEADLINE_HEADER = "x-request-timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class TierPressure:
+    """One tier's admission state for one request; ``misses_deadline`` and ``refuses`` are
+    worked out once, when it is built."""
+
+    full: bool
+    """Queue at its ``max_queue``."""
+    wait_s: float
+    """Predicted wait for the first token of a request submitted now."""
+    budget_s: float
+    """The most this request may wait on this tier."""
+    circuit_open_s: float | None = None
+    """Remote tiers: seconds until the open circuit lets a trial through."""
+    over_share: bool = False
+    """The caller already holds its fair share of this tier."""
+    finish_s: float | None = None
+    """A non-streaming request with a deadline: its predicted wait plus ``max_tokens`` at the
+    tier's measured decode rate (None: not predicted)."""
+    deadline_s: float | None = None
+    misses_deadline: bool = field(init=False)
+    """The whole answer cannot arrive before the client gives up (a non-streaming request
+    sees nothing until the end, so generating it would only take capacity from others)."""
+    refuses: bool = field(init=False)
+    """The tier cannot take this request now: ``decide()`` treats it as full."""
+
+    def __post_init__(self) -> None:
+        misses = self.finish_s is not None and self.deadline_s is not None and self.finish_s > self.deadline_s
+        refuses = (
+            self.full
+            or self.over_share
+            or self.circuit_open_s is not None
+            or self.wait_s > self.budget_s
+            or misses
+        )
+        object.__setattr__(self, "misses_deadline", misses)
+        object.__setattr__(self, "refuses", refuses)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What admission knows of one request before the decision: the client's deadline and each
+    tier's pressure."""
+
+    deadline_s: float | None
+    """The client's deadline (``x-request-timeout``, capped by the policy), if it sent one."""
+    pressures: dict[str, TierPressure]
+    refusing: dict[str, bool]
+    """Per tier, whether it refuses the request: the load ``decide()`` sees."""
 
 
 class FairShare:
@@ -196,6 +249,27 @@ def tier_pressures(
             deadline_s=deadline_s,
         )
     return out
+
+
+def assess(
+    tiers: TierSet | None,
+    policy: Policy,
+    headers: Mapping[str, str],
+    fair: FairShare | None,
+    caller: str | None,
+    tenant: str | None,
+    prompt_tokens: int,
+    max_tokens: int | None,
+) -> Admission:
+    """The admission stage of one request, in one call: its deadline (a 400 when the header is
+    not a positive number), then each tier's pressure (none without tiers)."""
+    deadline = client_deadline_s(headers, policy)
+    pressures = (
+        tier_pressures(tiers, policy, deadline, fair, caller, tenant, prompt_tokens, max_tokens)
+        if tiers is not None
+        else {}
+    )
+    return Admission(deadline, pressures, {name: p.refuses for name, p in pressures.items()})
 
 
 def _predicted_finish(engine: Any, wait_s: float, max_tokens: int) -> float | None:

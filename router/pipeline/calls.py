@@ -12,12 +12,9 @@ from typing import TYPE_CHECKING, Any
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest, stop_list
 
 if TYPE_CHECKING:
-    from classifier import ComplexityScore
     from router.openai.structured import OutputSpec
-    from router.policy.decide import Decision
-    from router.policy.schema import Policy
 
-__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Routed", "Sampling", "TierPressure"]
+__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Sampling"]
 
 
 @dataclass(slots=True)
@@ -33,66 +30,19 @@ class CallContext:
     """Who is calling, for per-caller limits: the tenant, else the API key's fingerprint."""
     tenant_label: str = "-"
     """The tenant as a metric label: a tenant the policy names, ``other``, or ``-`` (bounded)."""
+    partition: str = field(init=False)
+    """Whose data this request may see and warm (response cache, semantic scope, sessions,
+    prefix cache, feedback): ``t:<tenant>`` when the caller has a tenant, else ``k:<key
+    fingerprint>`` (a digest prefix, never the key), else ``-`` (an anonymous caller of an
+    ``open`` server). Two keys without a tenant are two partitions. Fixed when the context is
+    built: identifying the caller later only fills ``principal`` from the tenant, which leaves it
+    as it is."""
 
-    @property
-    def partition(self) -> str:
-        """Whose data this request may see and warm (response cache, semantic scope, sessions,
-        prefix cache, feedback): ``t:<tenant>`` when the caller has a tenant, else ``k:<key
-        fingerprint>`` (a digest prefix, never the key), else ``-`` (an anonymous caller of an
-        ``open`` server). Two keys without a tenant are two partitions."""
+    def __post_init__(self) -> None:
         if self.tenant is not None:
-            return "t:" + self.tenant
-        return "k:" + self.principal if self.principal is not None else "-"
-
-
-@dataclass(frozen=True, slots=True)
-class TierPressure:
-    """One tier's admission state for one request (computed by ``router.pipeline.admission``)."""
-
-    full: bool
-    """Queue at its ``max_queue``."""
-    wait_s: float
-    """Predicted wait for the first token of a request submitted now."""
-    budget_s: float
-    """The most this request may wait on this tier."""
-    circuit_open_s: float | None = None
-    """Remote tiers: seconds until the open circuit lets a trial through."""
-    over_share: bool = False
-    """The caller already holds its fair share of this tier."""
-    finish_s: float | None = None
-    """A non-streaming request with a deadline: its predicted wait plus ``max_tokens`` at the
-    tier's measured decode rate (None: not predicted)."""
-    deadline_s: float | None = None
-
-    @property
-    def misses_deadline(self) -> bool:
-        """The whole answer cannot arrive before the client gives up (a non-streaming request
-        sees nothing until the end, so generating it would only take capacity from others)."""
-        return self.finish_s is not None and self.deadline_s is not None and self.finish_s > self.deadline_s
-
-    @property
-    def refuses(self) -> bool:
-        return (
-            self.full
-            or self.over_share
-            or self.circuit_open_s is not None
-            or self.wait_s > self.budget_s
-            or self.misses_deadline
-        )
-
-
-@dataclass(slots=True)
-class Routed:
-    decision: Decision
-    score: ComplexityScore
-    prompt_tokens: int
-    classify_ms: float
-    policy: Policy | None = None
-    """The policy snapshot the decision was taken under (a reload may swap the live one)."""
-    pressures: dict[str, TierPressure] = field(default_factory=dict)
-    """Each tier's admission state when the decision was taken (``router.pipeline.admission``)."""
-    deadline_s: float | None = None
-    """The client's deadline (``x-request-timeout``), if it sent one."""
+            self.partition = "t:" + self.tenant
+        else:
+            self.partition = "k:" + self.principal if self.principal is not None else "-"
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.backends.local import LocalTier
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
 from router.openai.schemas import (
@@ -27,16 +27,16 @@ from router.openai.schemas import (
 )
 from router.openai.structured import chat_messages, output_spec
 from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, replay
-from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
-from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation, Routed
+from router.pipeline.admission import FairShare, TierPressure, assess, rejection
+from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation
 from router.pipeline.limits import TenantLimiter, check_limits
-from router.pipeline.session import SessionMemory, prior_key, record_key
+from router.pipeline.session import SessionMemory
 from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.policy.decide import Decision, RouteRequest, decide
 from tiers.output import StepOutput
 
 if TYPE_CHECKING:
-    from classifier import ComplexityClassifier
+    from classifier import ComplexityClassifier, ComplexityScore
     from router.pipeline.cache import CacheKey, ResponseCache
     from router.policy.schema import Policy
     from router.telemetry import Telemetry
@@ -46,6 +46,22 @@ __all__ = ["CallContext", "Completion", "RouterService"]
 log = logging.getLogger(__name__)
 
 _Gen = Generation  # the name before request types moved to router.pipeline.calls
+
+
+@dataclass(slots=True)
+class Routed:
+    """A request's routing: the decision, what it was taken on, and admission's view of the tiers."""
+
+    decision: Decision
+    score: ComplexityScore
+    prompt_tokens: int
+    classify_ms: float
+    policy: Policy
+    """The policy snapshot the decision was taken under (a reload may swap the live one)."""
+    pressures: dict[str, TierPressure]
+    """Each tier's admission state when the decision was taken (``router.pipeline.admission``)."""
+    deadline_s: float | None
+    """The client's deadline (``x-request-timeout``), if it sent one."""
 
 
 def _prompt_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
@@ -153,30 +169,26 @@ class RouterService:
                 prompt_tokens = self._count_tokens(policy, messages, prompt)
             # Admission: a tier whose queue is full, whose circuit is open or whose predicted
             # wait exceeds this request's budget counts as full, so the fallback applies.
-            deadline = client_deadline_s(ctx.headers, policy)
-            pressures = (
-                tier_pressures(
-                    self.tiers,
-                    policy,
-                    deadline,
-                    self.fair,
-                    ctx.principal,
-                    ctx.tenant,
-                    prompt_tokens,
-                    max_tokens=_collected_max_tokens(request),
-                )
-                if self.tiers is not None
-                else {}
+            admission = assess(
+                self.tiers,
+                policy,
+                ctx.headers,
+                self.fair,
+                ctx.principal,
+                ctx.tenant,
+                prompt_tokens,
+                max_tokens=_collected_max_tokens(request),
             )
-            load = {name: p.refuses for name, p in pressures.items()}
+            pressures = admission.pressures
             sessions = self.sessions(policy)
+            prior = sessions.recall(messages, ctx.headers, ctx.partition) if sessions is not None else None
             route_request = RouteRequest(
                 model=model,
                 headers=ctx.headers,
                 tenant=ctx.tenant,
                 prompt_tokens=prompt_tokens,
                 **_request_signals(messages, prompt, request),
-                session=sessions.get(prior_key(messages, ctx.headers, ctx.partition)) if sessions else None,
+                session=prior,
             )
             costs = (
                 self.tiers.routing_costs(
@@ -189,7 +201,12 @@ class RouterService:
             )
             batches = self.tiers.batches() if costs and self.tiers is not None else {}
             decision = decide(
-                policy, route_request, score, load, {t: c.total_s for t, c in costs.items()}, batches
+                policy,
+                route_request,
+                score,
+                admission.refusing,
+                {t: c.total_s for t, c in costs.items()},
+                batches,
             )
             if costs:
                 span.set_attribute(
@@ -203,7 +220,9 @@ class RouterService:
             span.set_attribute("router.reason", decision.reason)
             span.set_attribute("router.policy", policy.digest[:12])
         self.telemetry.route_decisions.labels(decision.tier, decision.rule).inc()
-        return Routed(decision, score, prompt_tokens, classify_s * 1000, policy, pressures, deadline)
+        return Routed(
+            decision, score, prompt_tokens, classify_s * 1000, policy, pressures, admission.deadline_s
+        )
 
     def _count_tokens(self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
         """Prompt tokens for the ``prompt_tokens_*`` rules: exact when a rule could turn on it."""
@@ -228,9 +247,9 @@ class RouterService:
         tiers = self.tiers
         if tiers is None or tiers.token_bytes is None or not tiers.tiers:
             return
-        if not all(isinstance(b, LocalTier) for b in tiers.tiers.values()):
+        if any(b.is_remote for b in tiers.tiers.values()):
             return
-        limit = max(b.max_model_len for b in tiers.tiers.values() if isinstance(b, LocalTier))
+        limit = max(b.cfg.max_model_len for b in tiers.tiers.values())
         text = _prompt_text(messages, prompt)
         if len(text) <= limit:  # short: cheap to tokenize, and the tier's own count decides
             return
@@ -261,8 +280,10 @@ class RouterService:
             if t is not None
         ]
         upper_bound = len(text.encode("utf-8", "surrogatepass"))
-        tok = self.tiers.counting_tokenizer() if self.tiers is not None else None
-        if not thresholds or tok is None or upper_bound <= min(thresholds):
+        # The tokenizer is fetched only when a threshold could tell the count from the estimate.
+        could_matter = bool(thresholds) and upper_bound > min(thresholds)
+        tok = self.tiers.counting_tokenizer() if could_matter and self.tiers is not None else None
+        if tok is None:
             estimate = min(upper_bound, max(1, len(text) // 4)) if thresholds else len(text) // 4
             return estimate, text, None
         return 0, text, tok
@@ -391,11 +412,11 @@ class RouterService:
         tokens = await self._count_tokens_off_loop(self.policy, gen.messages, gen.prompt)
         routed = self.route(ctx, req.model, gen.messages, gen.prompt, request=req, prompt_tokens=tokens)
         d = routed.decision
-        policy = routed.policy or self.policy
+        policy = routed.policy
         sessions = self.sessions(policy)
         if sessions is not None and not d.rejected:
             # What the next turn of this conversation will look up (router/pipeline/session.py).
-            sessions.put(record_key(gen.messages, ctx.headers, ctx.partition), d.tier)
+            sessions.record(gen.messages, ctx.headers, ctx.partition, d.tier)
         headers = {
             "x-router-tier": d.tier,
             "x-router-score": f"{routed.score.value:.4f}",
@@ -437,7 +458,7 @@ class RouterService:
         shadow_tier = self.shadow.target(policy, d, ctx.tenant)
         if shadow_tier is not None:
             source[0] = self._shadow_after(source[0], shadow_tier, gen, ctx, d, policy, rid)
-        span_attrs = self.writer.span_attributes(gen, d, routed)
+        span_attrs = self.writer.span_attributes(gen, d, routed.score.value)
         if ctx.span is not None:
             ctx.span.set_attributes(span_attrs)
         # Answers produced by a load fallback are not stored: the next identical request may well

@@ -140,6 +140,22 @@ class SessionMemory:
             self._entries.move_to_end(key)
             return tier
 
+    def recall(
+        self, messages: Sequence[Mapping[str, Any]] | None, headers: Mapping[str, str], partition: str | None
+    ) -> str | None:
+        """The tier this conversation went to on its previous turn (``prior_key``), if remembered."""
+        return self.get(prior_key(messages, headers, partition))
+
+    def record(
+        self,
+        messages: Sequence[Mapping[str, Any]] | None,
+        headers: Mapping[str, str],
+        partition: str | None,
+        tier: str,
+    ) -> None:
+        """Remember ``tier`` for this conversation's next turn (``record_key``)."""
+        self.put(record_key(messages, headers, partition), tier)
+
     def put(self, key: bytes | None, tier: str) -> None:
         if key is None:
             return

@@ -15,8 +15,7 @@ import pytest
 
 import router.pipeline.admission
 from router.errors import BadRequestError, OverloadedError, UnavailableError
-from router.pipeline.admission import FairShare, client_deadline_s, rejection, tier_pressures
-from router.pipeline.calls import TierPressure
+from router.pipeline.admission import FairShare, TierPressure, client_deadline_s, rejection, tier_pressures
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
 
