@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from router.openai.writer import NOTHING_SERVED, Served
 
 if TYPE_CHECKING:
-    from router.pipeline.calls import Generation
+    from router.openai.request import Generation
     from router.policy.schema import TierConfig
     from tiers.output import StepOutput
 

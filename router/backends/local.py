@@ -6,8 +6,10 @@ OpenAI-shaped errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
+import json
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -16,10 +18,9 @@ from jinja2 import TemplateError
 
 from router.backends.base import Prepared, engine_key
 from router.errors import BadRequestError, OverloadedError
-from router.openai.schemas import ChatCompletionRequest
-from router.openai.structured import native_prompt_ids
-from router.openai.writer import RETRY_AFTER_S, Served
-from router.pipeline.calls import Generation
+from router.openai.logprobs import token_texts
+from router.openai.request import Generation
+from router.openai.writer import NOTHING_SERVED, RETRY_AFTER_S, Served
 from tiers.engine import Engine, EngineFullError, EngineLoad
 from tiers.output import StepOutput
 from tiers.sequence import SamplingParams
@@ -32,6 +33,8 @@ __all__ = [
     "LocalTier",
     "choice_params",
     "local_stream",
+    "native_prompt_ids",
+    "native_tool_template",
     "prepare_local",
     "prepare_local_async",
     "sampling_params",
@@ -54,6 +57,8 @@ class LocalTier:
         self.key = engine_key(cfg)
         self.retired = False
         """Set by a reload that replaced this tier: nothing new may be submitted to it."""
+        self._served = Served(system_fingerprint(name, self.key), token_texts(self.tokenizer))
+        """What the writer is told of this tier: the same for every request it answers."""
 
     @property
     def max_model_len(self) -> int:
@@ -104,11 +109,7 @@ class LocalTier:
         return Prepared((ids, params), len(ids), self.served(gen))
 
     def served(self, gen: Generation) -> Served:
-        from router.openai.logprobs import token_texts
-
-        if gen.output is None:
-            return Served()
-        return Served(system_fingerprint(self.name, self.key), token_texts(self.tokenizer))
+        return self._served if gen.output is not None else NOTHING_SERVED
 
     def submit(self, gen: Generation, prepared: Prepared) -> list[AsyncIterator[StepOutput]]:
         ids, params = prepared.payload
@@ -125,6 +126,35 @@ def system_fingerprint(tier: str, key: Any) -> str:
     """OpenAI's ``system_fingerprint``: changes exactly when the serving configuration of the tier
     (model, quantization, engine settings) does, so clients can tell answers of different setups."""
     return "fp_" + hashlib.sha256(repr((tier, key)).encode()).hexdigest()[:10]
+
+
+def native_tool_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders ``tools`` (and tool calls) itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template and "tool_calls" in template
+
+
+def native_prompt_ids(tokenizer: Any, gen: Generation) -> list[int] | None:
+    """Prompt ids through the model's own chat template when it renders tools itself; None when
+    the generic rendering applies (no tools, or a template without tool support)."""
+    spec, raw = gen.output, gen.raw_messages
+    if spec is None or raw is None:
+        return None
+    if not spec.parses_tool_calls and not any(m.get("tool_calls") or m["role"] == "tool" for m in raw):
+        return None
+    if not native_tool_template(tokenizer):
+        return None
+    tools = [t.as_json() for t in spec.tools] if spec.tool_choice.mode != "none" else None
+    messages = [dict(m) for m in raw]  # the request's own stay as they are: a retry renders them again
+    for m in messages:  # templates expect arguments as objects (Qwen2.5, Llama 3.1 do)
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "function": dict(c["function"])} for c in m["tool_calls"]]
+            for c in m["tool_calls"]:
+                with contextlib.suppress(ValueError):
+                    c["function"]["arguments"] = json.loads(c["function"]["arguments"] or "{}")
+    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return list(ids)
 
 
 def sampling_params(backend: LocalTier, gen: Generation, num_prompt: int) -> SamplingParams:
@@ -206,11 +236,8 @@ def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[
     """Tokenize (the tier's chat template, or the structured-output spec's native prompt) and
     build each choice's sampling parameters (grammar matchers included). Work that grows with the
     request (a 1 MB prompt, a large schema): ``local_stream_async`` runs it off the event loop."""
-    spec = gen.output
     try:
-        native = None
-        if spec is not None and isinstance(gen.request, ChatCompletionRequest):
-            native = native_prompt_ids(backend.tokenizer, gen.request, spec)
+        native = native_prompt_ids(backend.tokenizer, gen) if gen.kind == "chat" else None
         ids = native if native is not None else backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
     except TemplateError as exc:  # e.g. a template that demands alternating roles
         raise BadRequestError(

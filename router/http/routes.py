@@ -25,8 +25,10 @@ from router.errors import AuthError, BadRequestError, ModelNotFoundError, Payloa
 from router.http.auth import Caller
 from router.http.dashboard import DASHBOARD_HTML, dashboard_data
 from router.openai import api_types
-from router.openai.schemas import ChatCompletionRequest, CompletionRequest, RouteBody, content_text
-from router.pipeline.calls import CallContext, Completion
+from router.openai.request import CallContext
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, RouteBody
+from router.openai.structured import content_text
+from router.pipeline.calls import Completion
 from router.pipeline.feedback import feedback
 from router.pipeline.service import RouterService
 from router.telemetry import Telemetry

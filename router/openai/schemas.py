@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from typing import Any, Literal
 
 import msgspec
@@ -29,8 +28,6 @@ __all__ = [
     "ResponseFormat",
     "RouteBody",
     "StreamOptions",
-    "completion_id",
-    "content_text",
     "validate_chat",
     "validate_completion",
     "validate_sampling",
@@ -172,16 +169,6 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str = "auto"
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
-
-
-def content_text(content: str | list[ContentPart] | None) -> str:
-    """One message's content as text: its text parts joined (what the routing score reads of a
-    whole conversation is ``classifier.inference.message_text``)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.text or "" for p in content if p.type in ("text", "input_text"))
 
 
 def _finite(name: str, value: float | None, lo: float, hi: float) -> None:
@@ -348,16 +335,6 @@ def validate_completion(req: CompletionRequest) -> None:
     if req.echo and req.logprobs is not None:
         # Echoed prompt tokens need prompt logprobs, which the engine does not compute.
         _refuse("echo", "echo together with logprobs (prompt logprobs are not computed)")
-
-
-def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
-
-
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

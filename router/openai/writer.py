@@ -29,14 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from router.errors import RouterError, UnavailableError
 from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
-from router.openai.schemas import completion_id, now
+from router.openai.request import completion_id
+from router.openai.schemas import now
 from router.openai.structured import OutputSpec
 from router.openai.tools import ToolCallStreamer, parse_tool_calls
 from tiers.output import StepOutput
 from tiers.remote import RemoteError
 
 if TYPE_CHECKING:
-    from router.pipeline.calls import Generation
+    from router.openai.request import Generation
     from router.policy.decide import Decision
     from router.telemetry import Telemetry
 

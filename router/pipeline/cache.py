@@ -41,7 +41,7 @@ from router.pipeline.embedder import MAX_TOKENS
 if TYPE_CHECKING:
     import numpy as np
 
-    from router.pipeline.calls import CallContext, Generation
+    from router.openai.request import CallContext, Generation
     from router.pipeline.embedder import Embedder
     from router.policy.decide import Decision
     from router.policy.schema import CacheConfig, Policy, TierConfig

@@ -11,7 +11,7 @@ from litestar import Request, post
 from litestar.status_codes import HTTP_200_OK
 
 from router.errors import BadRequestError, RouterError
-from router.pipeline.calls import CallContext
+from router.openai.request import CallContext
 from router.pipeline.shadow import MAX_SCORES_PER_ID, FeedbackConflictError, thumbs_score
 
 __all__ = ["ConflictError", "FeedbackBody", "NotFoundError", "feedback"]

@@ -17,19 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
-from router.openai.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    completion_id,
-    now,
-    validate_chat,
-    validate_completion,
-)
-from router.openai.structured import chat_messages, output_spec
+from router.openai.request import CallContext, Generation, completion_id, parse_chat, parse_completion
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, now
 from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, replay
 from router.pipeline.admission import FairShare, TierPressure, assess, rejection
-from router.pipeline.calls import CachedAnswer, CallContext, Completion, Generation
-from router.pipeline.limits import TenantLimiter, check_limits
+from router.pipeline.calls import CachedAnswer, Completion
+from router.pipeline.limits import TenantLimiter
 from router.pipeline.session import SessionMemory
 from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.policy.decide import Decision, RouteRequest, decide
@@ -44,8 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["CallContext", "Completion", "RouterService"]
 
 log = logging.getLogger(__name__)
-
-_Gen = Generation  # the name before request types moved to router.pipeline.calls
 
 
 @dataclass(slots=True)
@@ -314,30 +305,10 @@ class RouterService:
 
     # -- generation ----------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, ctx: CallContext) -> Completion:
-        validate_chat(req)
-        check_limits(req, self.policy.service.limits)
-        if not req.messages:
-            raise BadRequestError("'messages' must contain at least one message.", param="messages")
-        spec = output_spec(req)
-        # Tools, tool calls and tool results as plain messages (router/openai/tools.py's generic template).
-        messages = chat_messages(req, spec)
-        last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        gen = Generation.parsed(req, messages=messages, last_user=last_user, output=spec)
-        return await self._generate(gen, ctx)
+        return await self._generate(parse_chat(req, self.policy.service.limits, ctx), ctx)
 
     async def complete(self, req: CompletionRequest, ctx: CallContext) -> Completion:
-        validate_completion(req)
-        check_limits(req, self.policy.service.limits)
-        if isinstance(req.prompt, list):
-            if len(req.prompt) != 1:
-                raise BadRequestError(
-                    "Only a single prompt per request is supported.", param="prompt", code="unsupported_value"
-                )
-            prompt = req.prompt[0]
-        else:
-            prompt = req.prompt
-        gen = Generation.parsed(req, prompt=prompt, last_user=prompt, output=output_spec(req))
-        return await self._generate(gen, ctx)
+        return await self._generate(parse_completion(req, self.policy.service.limits, ctx), ctx)
 
     def _identify(self, ctx: CallContext) -> None:
         """Fill the caller's metric label and rate-limit identity from its (authenticated) tenant."""
@@ -405,7 +376,6 @@ class RouterService:
 
     async def _generate(self, gen: Generation, ctx: CallContext) -> Completion:
         tiers = self._require_tiers()
-        gen.ctx = ctx
         self.check_caller(ctx)
         req = gen.request
         self._refuse_unfittable(gen.messages, gen.prompt)
@@ -423,7 +393,7 @@ class RouterService:
             "x-router-rule": d.rule,
         }
         # The id POST /v1/feedback takes (the header's: the body's own id is not remembered).
-        rid = completion_id("chatcmpl" if gen.kind == "chat" else "cmpl")
+        rid = gen.response_id
         headers["x-router-response-id"] = rid
         feedback = self.feedback_log(policy)
         if feedback is not None and not d.rejected:

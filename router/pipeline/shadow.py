@@ -48,7 +48,7 @@ from prometheus_client import Counter, Gauge
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from router.pipeline.calls import Generation
+    from router.openai.request import Generation
     from router.policy.decide import Decision
     from router.policy.schema import FeedbackConfig, Policy, ShadowConfig
     from tiers.output import StepOutput

@@ -9,23 +9,26 @@ import random
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from router.errors import BadRequestError
 from router.openai.json_schema import check_strict_schema, close_objects
 from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from router.openai.request import Generation
 from router.openai.schemas import ChatCompletionRequest, ChatMessage, validate_chat
-from router.openai.structured import OutputSpec, output_spec
-from router.openai.tools import (
-    ToolCallStreamer,
+from router.openai.structured import (
+    OutputSpec,
     ToolChoice,
-    parse_tool_calls,
+    output_spec,
     parse_tool_choice,
     parse_tools,
+    raw_messages,
     render_messages,
     tool_grammar,
 )
+from router.openai.tools import ToolCallStreamer, parse_tool_calls
 from router.openai.writer import ChoiceBuilder, Merged
 from tiers.grammar import GrammarCompiler, compiler_for
 from tiers.output import StepOutput, TokenLogprob
@@ -372,19 +375,52 @@ async def test_merged_interleaves_local_choices() -> None:
 def test_native_tool_template_is_used_when_the_model_has_one(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from router.openai.structured import native_prompt_ids
-    from router.openai.tools import native_tool_template
+    from router.backends.local import native_prompt_ids, native_tool_template
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert not native_tool_template(tok)  # the tiny template (like SmolLM2's) has no tool support
     req = _chat(tools=[WEATHER], tool_choice="required")
-    assert native_prompt_ids(tok, req, output_spec(req)) is None
+    gen = Generation.parsed(req, raw_messages=raw_messages(req), output=output_spec(req))
+    assert native_prompt_ids(tok, gen) is None
     tok.chat_template = (
         "{% for t in tools %}[TOOL {{ t['function']['name'] }}]{% endfor %}"
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
         "{% for c in m.get('tool_calls') or [] %}[CALL {{ c['function']['name'] }}]{% endfor %}{% endfor %}"
     )
     assert native_tool_template(tok)
-    ids = native_prompt_ids(tok, req, output_spec(req))
+    ids = native_prompt_ids(tok, gen)
     assert ids is not None
-    assert tok.decode(ids).startswith("[TOOL get_weather]<user>hi")
+    assert str(tok.decode(ids)).startswith("[TOOL get_weather]<user>hi")
+
+
+def test_native_rendering_leaves_the_parsed_messages_as_they_are(tiny_model_dir: Path) -> None:
+    """Bug it guards: the request's messages are parsed once and kept on ``Generation``; turning a
+    call's ``arguments`` into an object for the template in place would make a second rendering
+    (a request prepared again after a reload) see an object where the JSON text was."""
+    from transformers import AutoTokenizer
+
+    from router.backends.local import native_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}[{{ c['function']['arguments']['city'] }}]{% endfor %}"
+        "{% endfor %}{{ tools | length }}tool_calls"
+    )
+    call = {"id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "lima", "days": 1}'}}
+    body = {
+        "model": "small",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        ],
+        "tools": [WEATHER],
+    }
+    req = msgspec.convert(body, ChatCompletionRequest)
+    gen = Generation.parsed(req, raw_messages=raw_messages(req), output=output_spec(req))
+    first = native_prompt_ids(tok, gen)
+    assert first is not None and "[lima]" in str(tok.decode(first))  # the template saw an object
+    assert gen.raw_messages is not None
+    assert gen.raw_messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "lima", "days": 1}'
+    assert native_prompt_ids(tok, gen) == first

@@ -1,0 +1,282 @@
+"""A request body turned into the one typed request the service passes down: ``parse_chat`` /
+``parse_completion`` validate it (``router.openai.schemas``), check it against the policy's bounds
+(``service.limits``), compile its output contract and conversation (``router.openai.structured``)
+and read its sampling fields, once; nothing downstream reads the body behind ``Generation``'s
+fields (the remote tier forwards it as sent, the shadow copies it).
+
+Bounds on what one request may ask bound work that grows with the request and that the rest of
+the traffic would otherwise pay for: a ``logit_bias`` entry is applied to every row at every engine
+step, a JSON schema node becomes grammar states compiled before the first token, a tool adds to
+the prompt and to the tool-call grammar. Each refusal is a 400 in OpenAI's shape naming the field
+and the limit (``code``: ``limit_exceeded``), so a client can tell which bound it hit and by how
+much.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from router.errors import BadRequestError
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest, validate_chat, validate_completion
+from router.openai.structured import compile_chat, compile_completion
+
+if TYPE_CHECKING:
+    from router.openai.structured import OutputSpec
+    from router.policy.schema import LimitsConfig
+
+__all__ = [
+    "CallContext",
+    "Generation",
+    "Sampling",
+    "check_limits",
+    "completion_id",
+    "parse_chat",
+    "parse_completion",
+    "schema_size",
+    "stop_list",
+]
+
+
+def parse_chat(
+    req: ChatCompletionRequest, limits: LimitsConfig, ctx: CallContext | None = None
+) -> Generation:
+    """A chat body as the typed request (a 400 naming the field for anything it may not ask)."""
+    validate_chat(req)
+    check_limits(req, limits)
+    if not req.messages:
+        raise BadRequestError("'messages' must contain at least one message.", param="messages")
+    # Tools, tool calls and tool results as plain messages (the generic tool template).
+    spec, raw, messages = compile_chat(req)
+    last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    return Generation.parsed(
+        req, messages=messages, raw_messages=raw, last_user=last_user, output=spec, ctx=ctx
+    )
+
+
+def parse_completion(
+    req: CompletionRequest, limits: LimitsConfig, ctx: CallContext | None = None
+) -> Generation:
+    """A completions body as the typed request: one prompt per request."""
+    validate_completion(req)
+    check_limits(req, limits)
+    if isinstance(req.prompt, list):
+        if len(req.prompt) != 1:
+            raise BadRequestError(
+                "Only a single prompt per request is supported.", param="prompt", code="unsupported_value"
+            )
+        prompt = req.prompt[0]
+    else:
+        prompt = req.prompt
+    return Generation.parsed(req, prompt=prompt, last_user=prompt, output=compile_completion(req), ctx=ctx)
+
+
+@dataclass(slots=True)
+class CallContext:
+    headers: Mapping[str, str]
+    """Lower-cased request headers."""
+    tenant: str | None = None
+    """The caller's tenant: from its API key (or, behind ``trust_tenant_header``, ``x-tenant``)."""
+    no_cache: bool = False
+    span: Any = None
+    """The request's server span: parent of classify/decide/cache/queue/prefill/decode spans."""
+    principal: str | None = None
+    """Who is calling, for per-caller limits: the tenant, else the API key's fingerprint."""
+    tenant_label: str = "-"
+    """The tenant as a metric label: a tenant the policy names, ``other``, or ``-`` (bounded)."""
+    partition: str = field(init=False)
+    """Whose data this request may see and warm (response cache, semantic scope, sessions,
+    prefix cache, feedback): ``t:<tenant>`` when the caller has a tenant, else ``k:<key
+    fingerprint>`` (a digest prefix, never the key), else ``-`` (an anonymous caller of an
+    ``open`` server). Two keys without a tenant are two partitions. Fixed when the context is
+    built: identifying the caller later only fills ``principal`` from the tenant, which leaves it
+    as it is."""
+
+    def __post_init__(self) -> None:
+        if self.tenant is not None:
+            self.partition = "t:" + self.tenant
+        else:
+            self.partition = "k:" + self.principal if self.principal is not None else "-"
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """A request's sampling fields, read once from its validated body; a backend lays them over
+    its tier's defaults (None: the tier's) and checks token ids against its own vocabulary."""
+
+    max_tokens: int | None
+    """What the caller asked for: chat ``max_completion_tokens`` else ``max_tokens``; completions
+    ``max_tokens`` else OpenAI's default of 16. None: the tier's default."""
+    max_tokens_param: str
+    """The field a context overflow is blamed on."""
+    temperature: float | None
+    top_p: float | None
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    include_stop_str_in_output: bool
+    logit_bias: Mapping[str, float]
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest | CompletionRequest) -> Sampling:
+        if isinstance(req, ChatCompletionRequest):
+            asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            param = "max_completion_tokens"
+        else:
+            asked = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's completions default
+            param = "max_tokens"
+        return cls(
+            max_tokens=asked,
+            max_tokens_param=param,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            stop=stop_list(req.stop),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            min_p=req.min_p or 0.0,
+            ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logit_bias=dict(req.logit_bias or {}),
+        )
+
+
+@dataclass(slots=True)
+class Generation:
+    """One generation request after parsing: everything downstream reads, as plain fields."""
+
+    kind: str  # chat | completion
+    request: ChatCompletionRequest | CompletionRequest
+    messages: list[dict[str, str]] | None
+    """The conversation as plain messages (generic tool template); None for a completion."""
+    prompt: str | None
+    stream: bool
+    include_usage: bool
+    last_user: str = ""
+    ctx: CallContext | None = None
+    output: OutputSpec | None = None
+    """What the output must be beyond text (format, tools, logprobs, n); see router/openai/structured.py."""
+    raw_messages: list[dict[str, Any]] | None = None
+    """The messages as OpenAI-shaped dicts, tool calls kept (``structured.raw_messages``): what a
+    model whose own chat template renders tools is given."""
+    response_id: str = ""
+    """The id ``POST /v1/feedback`` takes (the ``x-router-response-id`` header); minted when the
+    request is parsed, unless given."""
+    sampling: Sampling = field(init=False)
+    """The request's sampling fields, derived from ``request`` (again when a copy replaces it)."""
+
+    def __post_init__(self) -> None:
+        self.sampling = Sampling.of(self.request)
+        if not self.response_id:
+            self.response_id = completion_id("chatcmpl" if self.kind == "chat" else "cmpl")
+
+    @classmethod
+    def parsed(
+        cls,
+        request: ChatCompletionRequest | CompletionRequest,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        raw_messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        last_user: str = "",
+        output: OutputSpec | None = None,
+        ctx: CallContext | None = None,
+    ) -> Generation:
+        """A validated request and what was parsed from it: its kind, and whether it streams
+        and with usage, read from the request itself."""
+        options = request.stream_options
+        return cls(
+            "chat" if isinstance(request, ChatCompletionRequest) else "completion",
+            request,
+            messages,
+            prompt,
+            bool(request.stream),
+            bool(options and options.include_usage),
+            last_user=last_user,
+            ctx=ctx,
+            output=output,
+            raw_messages=raw_messages,
+        )
+
+
+# -- bounds ----------------------------------------------------------------------------------------
+def _refuse(param: str, what: str, limit: int, key: str) -> BadRequestError:
+    return BadRequestError(
+        f"'{param}' {what}; the limit is {limit} (service.limits.{key}).",
+        param=param,
+        code="limit_exceeded",
+    )
+
+
+def schema_size(schema: Any, max_nodes: int, max_depth: int) -> tuple[int, int, int]:
+    """``(nodes, depth, widest)`` of a JSON value (``widest``: the most ``properties`` of one
+    object); counting stops once nodes or depth pass their bound (so a huge schema costs no more
+    than ``max_nodes`` steps to refuse)."""
+    nodes = 0
+    deepest = 0
+    widest = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        deepest = max(deepest, depth)
+        if nodes > max_nodes or deepest > max_depth:
+            break
+        if isinstance(value, dict):
+            props = value.get("properties")
+            if isinstance(props, dict):
+                widest = max(widest, len(props))
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return nodes, deepest, widest
+
+
+def _check_schema(param: str, schema: Any, limits: LimitsConfig) -> None:
+    nodes, depth, widest = schema_size(schema, limits.max_schema_nodes, limits.max_schema_depth)
+    if nodes > limits.max_schema_nodes:
+        raise _refuse(param, "has too many schema nodes", limits.max_schema_nodes, "max_schema_nodes")
+    if depth > limits.max_schema_depth:
+        raise _refuse(param, "is nested too deeply", limits.max_schema_depth, "max_schema_depth")
+    if widest > limits.max_schema_properties:
+        why = f"has an object of {widest} properties"
+        raise _refuse(param, why, limits.max_schema_properties, "max_schema_properties")
+
+
+def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsConfig) -> None:
+    """Raise ``BadRequestError`` naming the first bound ``req`` exceeds."""
+    if req.logit_bias is not None and len(req.logit_bias) > limits.max_logit_bias:
+        raise _refuse(
+            "logit_bias", f"has {len(req.logit_bias)} entries", limits.max_logit_bias, "max_logit_bias"
+        )
+    if not isinstance(req, ChatCompletionRequest):
+        return
+    if req.tools is not None:
+        if len(req.tools) > limits.max_tools:
+            raise _refuse("tools", f"has {len(req.tools)} tools", limits.max_tools, "max_tools")
+        # All tools together: the tool-call grammar is compiled from their union.
+        _check_schema("tools", req.tools, limits)
+    fmt = req.response_format
+    if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema is not None:
+        _check_schema("response_format.json_schema.schema", fmt.json_schema.schema, limits)
+
+
+def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
