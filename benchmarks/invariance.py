@@ -9,7 +9,10 @@ prompts now mostly served from the prefix cache). ``temperature: 0``, ``max_toke
 ``Cache-Control: no-cache`` (the response cache would answer the repeats without a model).
 
 Per tier: how many of the 8 answers are identical alone vs in the burst vs after, and the prefix
-tokens served from the cache after. Writes benchmarks/results/invariance.json.
+tokens served from the cache after. Under the burst the router may move a request to the next tier
+(its predicted wait past ``max_queue_wait_s``: the policy's load fallback); such an answer is
+compared with the alone answer of the tier that served it (``x-router-tier``), and the moves are
+counted (``burst_served_by``). Writes benchmarks/results/invariance.json.
 
     python -m benchmarks.invariance [--port 8095]
 """
@@ -76,12 +79,25 @@ async def answer(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -
     data = r.json()
     usage = data.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
-    return {"text": data["choices"][0]["message"]["content"], "cached": details.get("cached_tokens", 0)}
+    return {
+        "text": data["choices"][0]["message"]["content"],
+        "cached": details.get("cached_tokens", 0),
+        "tier": r.headers.get("x-router-tier", payload["model"]),
+    }
 
 
-async def tier_run(url: str, tier: str, rng: random.Random) -> dict[str, Any]:
+async def alone_run(url: str, tier: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient() as client:
-        alone = [await answer(client, url, body(tier, asked(q), 32)) for q in QUESTIONS]
+        return [await answer(client, url, body(tier, asked(q), 32)) for q in QUESTIONS]
+
+
+async def tier_run(
+    url: str, tier: str, rng: random.Random, alone: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The burst and after-runs for ``tier``. A request the router moved to another tier (its
+    predicted wait past ``max_queue_wait_s``: the policy's load fallback) is compared with that
+    tier's alone answer: the invariance is of a tier's numbers, the fallback is routing."""
+    async with httpx.AsyncClient() as client:
         burst: list[dict[str, Any]] = [body(tier, asked(q), 32) for q in QUESTIONS]
         for i in range(24):
             filler = rng.choice(FILLERS) + " " * (i % 5)
@@ -91,17 +107,29 @@ async def tier_run(url: str, tier: str, rng: random.Random) -> dict[str, Any]:
         results = await asyncio.gather(*(answer(client, url, burst[i]) for i in order))
         together = [results[order.index(i)] for i in range(len(QUESTIONS))]
         after = [await answer(client, url, body(tier, asked(q), 32)) for q in QUESTIONS]
-    same_burst = sum(a["text"] == b["text"] for a, b in zip(alone, together, strict=True))
-    same_after = sum(a["text"] == b["text"] for a, b in zip(alone, after, strict=True))
+
+    def same(i: int, got: dict[str, Any]) -> bool:
+        ref = alone.get(got["tier"])
+        return ref is not None and ref[i]["text"] == got["text"]
+
     return {
         "prompts": len(QUESTIONS),
-        "identical_in_burst": same_burst,
-        "identical_after": same_after,
+        "identical_in_burst": sum(same(i, b) for i, b in enumerate(together)),
+        "identical_after": sum(same(i, c) for i, c in enumerate(after)),
+        "burst_served_by": {
+            t: sum(b["tier"] == t for b in together) for t in TIERS if any(b["tier"] == t for b in together)
+        },
         "cached_tokens_after": [a["cached"] for a in after],
         "differing": [
-            {"question": q, "alone": a["text"], "burst": b["text"], "after": c["text"]}
-            for q, a, b, c in zip(QUESTIONS, alone, together, after, strict=True)
-            if not a["text"] == b["text"] == c["text"]
+            {
+                "question": q,
+                "alone": alone[tier][i]["text"],
+                "burst": b["text"],
+                "burst_tier": b["tier"],
+                "after": c["text"],
+            }
+            for i, (q, b, c) in enumerate(zip(QUESTIONS, together, after, strict=True))
+            if not (same(i, b) and same(i, c))
         ],
     }
 
@@ -109,12 +137,22 @@ async def tier_run(url: str, tier: str, rng: random.Random) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=8095)
+    parser.add_argument("--policy", type=Path, default=ROOT / "policies/default.yaml")
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
+    parser.add_argument("--no-write", action="store_true", help="print only (diagnosis runs)")
     args = parser.parse_args()
     out: dict[str, Any] = {}
-    with serve(ROOT / "policies/default.yaml", args.port) as (url, _pid):
+    with serve(args.policy, args.port) as (url, _pid):
+        # Every tier's alone answers first: a burst request the router moves to another tier is
+        # compared with that tier's.
+        alone = {tier: asyncio.run(alone_run(url, tier)) for tier in TIERS}
         for i, tier in enumerate(TIERS):
-            out[tier] = asyncio.run(tier_run(url, tier, random.Random(34 + i)))
+            if tier not in args.tiers:
+                continue
+            out[tier] = asyncio.run(tier_run(url, tier, random.Random(34 + i), alone))
             print(tier, {k: v for k, v in out[tier].items() if k != "differing"}, flush=True)
+    if args.no_write:
+        return
     write_json(
         "invariance",
         {
