@@ -16,8 +16,8 @@ import torch
 from router.errors import BadRequestError
 from router.openai.json_schema import check_strict_schema, close_objects
 from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from router.openai.request import Generation
-from router.openai.schemas import ChatCompletionRequest, ChatMessage, validate_chat
+from router.openai.request import Generation, validate_chat
+from router.openai.schemas import ChatCompletionRequest, ChatMessage
 from router.openai.structured import (
     OutputSpec,
     ToolChoice,
