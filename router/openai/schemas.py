@@ -12,7 +12,6 @@ assistant messages back with response-only keys (``annotations``, ``refusal``, `
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 import msgspec
@@ -26,7 +25,6 @@ __all__ = [
     "ResponseFormat",
     "RouteBody",
     "StreamOptions",
-    "now",
 ]
 
 MAX_STOP_SEQUENCES = 4
@@ -165,7 +163,3 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str = "auto"
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
-
-
-def now() -> int:
-    return int(time.time())

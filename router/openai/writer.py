@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from router.errors import RouterError, UnavailableError
 from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from router.openai.request import completion_id
-from router.openai.schemas import now
 from router.openai.structured import OutputSpec
 from router.openai.tools import ToolCallStreamer, parse_tool_calls
 from tiers.output import StepOutput
@@ -54,6 +54,7 @@ __all__ = [
     "Served",
     "aggregate",
     "completion_body",
+    "now",
     "remote_error",
     "replay",
     "sse_event",
@@ -63,6 +64,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1.0
+
+
+def now() -> int:
+    """An answer's ``created``: Unix seconds."""
+    return int(time.time())
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
 from router.openai.request import CallContext, Generation, completion_id, parse_chat, parse_completion
-from router.openai.schemas import ChatCompletionRequest, CompletionRequest, now
-from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, replay
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest
+from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, now, replay
 from router.pipeline.admission import FairShare, TierPressure, assess, rejection
 from router.pipeline.calls import CachedAnswer, Completion
 from router.pipeline.limits import TenantLimiter

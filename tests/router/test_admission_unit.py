@@ -15,7 +15,14 @@ import pytest
 
 import router.pipeline.admission
 from router.errors import BadRequestError, OverloadedError, UnavailableError
-from router.pipeline.admission import FairShare, TierPressure, client_deadline_s, rejection, tier_pressures
+from router.pipeline.admission import (
+    FairShare,
+    TierPressure,
+    assess,
+    client_deadline_s,
+    rejection,
+    tier_pressures,
+)
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
 
@@ -222,6 +229,33 @@ def test_pressures_budget_by_priority_and_deadline_and_wait_per_caller(clock: Cl
     held.append(fair.hold("large", "alice", stream()))
     assert tier_pressures(tiers, POLICY, None, fair, "alice")["large"].over_share  # type: ignore[arg-type]
     assert held
+
+
+def test_assess_is_the_deadline_and_the_pressures_in_one_call(clock: Clock) -> None:
+    """Bug it guards: admission became one call (assess) instead of the service reading the
+    deadline, the pressures and each pressure's verdict in turn; the deadline must still cap each
+    budget and be refused when malformed even without tiers, and ``refusing`` must be each
+    pressure's own verdict."""
+    tiers = Tiers({"small": Local(FakeEngine(wait_s=3.0)), "large": Remote(Client(Load(is_full=True)))})
+    headers = {"x-request-timeout": "2.5"}
+    got = assess(tiers, POLICY, headers, FairShare(), "alice", "plain", 40, None)  # type: ignore[arg-type]
+    assert got.deadline_s == 2.5
+    assert got.pressures == tier_pressures(tiers, POLICY, 2.5, FairShare(), "alice", "plain", 40)  # type: ignore[arg-type]
+    assert got.refusing == {"small": True, "large": True}  # 3 s > 2.5 s; large is full
+    assert assess(tiers, POLICY, {}, None, None, None, 0, None).refusing == {"small": False, "large": True}  # type: ignore[arg-type]
+    none = assess(None, POLICY, {"x-request-timeout": "600"}, None, None, None, 0, None)
+    assert (none.deadline_s, none.pressures, none.refusing) == (30.0, {}, {})
+    with pytest.raises(BadRequestError):
+        assess(None, POLICY, {"x-request-timeout": "soon"}, None, None, None, 0, None)
+
+
+def test_a_pressure_works_its_verdict_out_once_and_keeps_it() -> None:
+    """``refuses`` and ``misses_deadline`` are fields set when the pressure is built (it is frozen)."""
+    late = TierPressure(full=False, wait_s=0.0, budget_s=5.0, finish_s=3.0, deadline_s=2.0)
+    assert late.misses_deadline and late.refuses
+    assert not TierPressure(full=False, wait_s=0.0, budget_s=5.0, finish_s=2.0, deadline_s=2.0).refuses
+    with pytest.raises(AttributeError):
+        late.refuses = False  # type: ignore[misc]
 
 
 DECISION = Decision("small", "d", "rule d", 0.5, rejected=True)

@@ -1,0 +1,132 @@
+"""router/openai/request.py: a body becomes the typed request in one pass (validation, bounds,
+output contract, conversation, sampling, response id), with its refusals in the order the
+service gave them before parsing moved here, and nothing left for a reader to derive again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.errors import BadRequestError
+from router.openai.request import CallContext, Generation, parse_chat, parse_completion
+from router.openai.schemas import ChatCompletionRequest, CompletionRequest
+from router.policy.schema import LimitsConfig
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+LIMITS = LimitsConfig(max_logit_bias=2, max_tools=1)
+
+
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    body = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return msgspec.convert(body, ChatCompletionRequest)
+
+
+def _refusal(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    parse = parse_chat if isinstance(req, ChatCompletionRequest) else parse_completion
+    with pytest.raises(BadRequestError) as err:
+        parse(req, LIMITS)  # type: ignore[arg-type]
+    return err.value.param
+
+
+def test_refusals_keep_their_order_validation_then_bounds_then_tools() -> None:
+    """Bug it guards: parsing moved from the service into one function; checking the bounds (or
+    compiling tools) before validating would name another field of a body wrong in two ways."""
+    bias = {"1": 1.0, "2": 1.0, "3": 1.0}  # over max_logit_bias
+    assert _refusal(_chat(temperature=3.0, logit_bias=bias)) == "temperature"
+    assert _refusal(_chat(logit_bias=bias)) == "logit_bias"
+    two_tools = [WEATHER, {**WEATHER, "function": {**WEATHER["function"], "name": "other"}}]
+    assert _refusal(_chat(tools=two_tools, tool_choice="bogus")) == "tools"  # the bound first
+    assert _refusal(_chat(tools=[WEATHER], tool_choice="bogus")) == "tool_choice"
+    assert _refusal(_chat(messages=[])) == "messages"
+    prompt = CompletionRequest(model="auto", prompt=["a", "b"], temperature=3.0)
+    assert _refusal(prompt) == "temperature"
+    assert _refusal(CompletionRequest(model="auto", prompt=["a", "b"])) == "prompt"
+
+
+def test_a_chat_is_parsed_into_plain_fields_once() -> None:
+    """Bug it guards: readers (cache, backends, writer) re-deriving fields from the raw body, or
+    the parsed request missing what the local backend's native tool template needs."""
+    call = {"id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "lima"}'}}
+    req = _chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        ],
+        tools=[WEATHER],
+        stream=True,
+        stream_options={"include_usage": True},
+        max_completion_tokens=7,
+        stop="END",
+    )
+    ctx = CallContext(headers={}, tenant="acme")
+    gen = parse_chat(req, LimitsConfig(), ctx)
+    assert (gen.kind, gen.stream, gen.include_usage, gen.ctx) == ("chat", True, True, ctx)
+    assert gen.output is not None and gen.output.parses_tool_calls and gen.output.has_tools
+    assert gen.output.grammar is not None and gen.output.grammar_param == "tools"
+    # The raw messages keep the call as sent; the plain ones carry it in the generic template.
+    assert gen.raw_messages is not None
+    assert gen.raw_messages[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "lima"}'
+    assert gen.raw_messages[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert gen.messages is not None and [m["role"] for m in gen.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert gen.messages[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert (
+        gen.messages[2]["content"]
+        == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "lima"}}\n</tool_call>'
+    )
+    assert gen.messages[3]["content"] == "<tool_response>\nsunny\n</tool_response>"
+    assert gen.last_user == gen.messages[3]["content"]  # the tool result is the last user turn
+    assert (gen.sampling.max_tokens, gen.sampling.max_tokens_param, gen.sampling.stop) == (
+        7,
+        "max_completion_tokens",
+        ("END",),
+    )
+    assert gen.response_id.startswith("chatcmpl-") and len(gen.response_id) == len("chatcmpl-") + 24
+
+
+def test_a_completion_is_parsed_with_its_one_prompt_and_id() -> None:
+    gen = parse_completion(CompletionRequest(model="auto", prompt=["only"], n=2, best_of=3), LimitsConfig())
+    assert (gen.kind, gen.prompt, gen.last_user, gen.messages, gen.raw_messages) == (
+        "completion",
+        "only",
+        "only",
+        None,
+        None,
+    )
+    assert gen.output is not None and (gen.output.n, gen.output.best_of) == (2, 3)
+    assert gen.sampling.max_tokens == 16  # OpenAI's completions default
+    assert gen.response_id.startswith("cmpl-")
+    # A copy keeps its id (the shadow answer is recorded under the served request's id).
+    again = Generation("completion", gen.request, None, "only", False, False, response_id=gen.response_id)
+    assert again.response_id == gen.response_id
+
+
+@pytest.mark.parametrize(
+    ("tenant", "principal", "partition"),
+    [("acme", "fp1", "t:acme"), (None, "fp1", "k:fp1"), (None, None, "-"), ("acme", None, "t:acme")],
+)
+def test_a_context_partition_is_fixed_when_built(
+    tenant: str | None, principal: str | None, partition: str
+) -> None:
+    """Bug it guards: the partition became a field set once; identifying the caller afterwards
+    (the service fills ``principal`` from the tenant when it has none) must not change it."""
+    ctx = CallContext(headers={}, tenant=tenant, principal=principal)
+    assert ctx.partition == partition
+    if ctx.principal is None:
+        ctx.principal = ctx.tenant  # what RouterService._identify does
+    expected = "t:" + tenant if tenant is not None else ("k:" + principal if principal is not None else "-")
+    assert ctx.partition == expected
