@@ -220,10 +220,10 @@ class Engine:
         return True
 
     def _choose_k(self) -> int:
-        """k for the batch these rows decode in: a wave of new prompts (none decoding yet) decodes
-        as a full batch next step, and its draft feed is decided by this k."""
-        held = self.scheduler.num_running + self.scheduler.num_waiting
-        return self.spec.choose_k(max(1, min(self.config.max_num_seqs, held))) if self.proposer else 0
+        """k for the next batch (new prompts count: they decode as one next), at the proposer's acceptance."""
+        held = max(1, min(self.config.max_num_seqs, self.scheduler.num_running + self.scheduler.num_waiting))
+        p = self.proposer
+        return self.spec.choose_k(held, acceptance=p.acceptance(self.scheduler.running)) if p else 0
 
     def _run(self, batch: ScheduledBatch) -> None:
         """Draft, one target forward over every row, sample, and let the scheduler apply it."""

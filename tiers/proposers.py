@@ -64,6 +64,10 @@ class Proposer(Protocol):
     num_deferred_feeds: int
 
     def propose(self, batch: ScheduledBatch, k: int) -> Proposal: ...
+    def acceptance(self, seqs: list[Sequence]) -> float | None:
+        """What the step's k is priced at: ``None`` for the engine's average acceptance."""
+        ...
+
     def on_accept(self, seq: Sequence, num_accepted: int) -> None: ...
     def forget(self, seq: Sequence) -> None: ...
     def profile(self, target: ModelRunner, prompt: list[int], sizes: list[int], ctx: int) -> float | None:
@@ -208,6 +212,11 @@ class ModelDraft:
             out.append(None if stop else tok)
         return out
 
+    def acceptance(self, seqs: list[Sequence]) -> float | None:
+        """The engine's average: a model draft runs for every row of a drafting step or none
+        (a row left out falls behind and must be caught up)."""
+        return None
+
     def on_accept(self, seq: Sequence, num_accepted: int) -> None:
         steps = self._grammar_steps.pop(seq.seq_id, 0)
         if steps > num_accepted and seq.params.constraint is not None:
@@ -252,6 +261,13 @@ class NgramDraft:
         self.vocab_size = vocab_size
         self.num_deferred_feeds = 0
 
+    def acceptance(self, seqs: list[Sequence]) -> float | None:
+        """The best row's own acceptance (``SpecController.row_acceptance``): each row then
+        drafts only as far as its own record pays (``propose``)."""
+        return max(
+            (self.spec.row_acceptance(s.num_draft_tokens, s.num_accepted_tokens) for s in seqs), default=None
+        )
+
     def propose(self, batch: ScheduledBatch, k: int) -> Proposal:
         out = Proposal.empty(batch.num_seqs)
         started = time.perf_counter()
@@ -259,6 +275,10 @@ class NgramDraft:
         for i, seq in enumerate(batch.seqs):
             out.fed[i] = seq.num_tokens - seq.num_draft_computed_tokens
             n = batch.num_spec_tokens[i]
+            if n and seq.num_draft_tokens:  # a row with a record drafts as far as it pays
+                n = self.spec.row_k(
+                    batch.num_seqs, n, self.spec.row_acceptance(seq.num_draft_tokens, seq.num_accepted_tokens)
+                )
             if not n or seq.params.constraint is not None:
                 continue
             tokens = self.ngram.propose(seq.seq_id, seq.token_ids, n)

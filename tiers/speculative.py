@@ -85,6 +85,10 @@ EXPLORE_STEPS = 4
 """Most steps one exploration takes (until a drafting round reports its acceptance)."""
 SPEC_RESUME_MARGIN = 1.25
 """Start (or resume) speculating only above this: the draft first catches up on its backlog."""
+ROW_PRIOR_TOKENS = 4
+"""A row's own acceptance is its drafts' record shrunk toward the engine's average by this many
+pseudo-drafts (``SpecController.row_acceptance``): a new row drafts at the average, one whose
+first four drafts all fail drops to a fifth of it."""
 
 
 @dataclass(slots=True)
@@ -211,13 +215,37 @@ class SpecController:
             best = 0
         return rounds[best]
 
-    def choose_k(self, batch_size: int, draft_lag: int = 1) -> int:
-        """``draft_lag``: most tokens any row's draft must catch up on before drafting."""
+    def row_acceptance(self, drafted: int, accepted: int) -> float:
+        """A row's acceptance from its own drafts so far, shrunk toward the engine's average.
+
+        Why per row: an n-gram lookup's acceptance is a property of the text (a row that repeats
+        its prompt accepts most drafts, free prose almost none); the engine's average mixes the
+        rows, so at batch 1 each request inherited the one before it - a repetitive request
+        after a prose one never drafted, a prose one after a repetitive one drafted at a loss."""
+        return (accepted + ROW_PRIOR_TOKENS * self.acceptance) / (drafted + ROW_PRIOR_TOKENS)
+
+    def row_k(self, batch_size: int, k: int, acceptance: float) -> int:
+        """The most a row accepted at ``acceptance`` should draft of the step's ``k``: the k' <= k
+        of the best expected rate, 0 without a clear win over plain decoding (``SPEC_MARGIN``).
+        Priced as if every row fed k' + 1 tokens: a ragged step costs less, so this errs toward
+        not drafting."""
+        if k <= 0 or self.fixed_k is not None:
+            return k
+        rates = {j: self.expected_rate(j, batch_size, acceptance) for j in range(k + 1)}
+        if any(r is None for r in rates.values()):
+            return k
+        best = max(rates, key=lambda j: rates[j] or 0.0)
+        return best if best and (rates[best] or 0.0) >= SPEC_MARGIN * (rates[0] or 0.0) else 0
+
+    def choose_k(self, batch_size: int, draft_lag: int = 1, acceptance: float | None = None) -> int:
+        """``draft_lag``: most tokens any row's draft must catch up on before drafting;
+        ``acceptance``: price the rounds at this instead of the engine's average (the best row's,
+        for proposers that price each row: ``row_k``)."""
         if self.max_k <= 0:
             return 0
         if self.fixed_k is not None:
             return min(self.fixed_k, self.max_k)
-        rates = {k: self.expected_rate(k, batch_size) for k in range(self.max_k + 1)}
+        rates = {k: self.expected_rate(k, batch_size, acceptance) for k in range(self.max_k + 1)}
         if any(r is None for r in rates.values()):
             return self.max_k  # not profiled yet: measure by doing
         best = max(rates, key=lambda k: rates[k] or 0.0)

@@ -84,3 +84,29 @@ def test_an_ngram_proposal_reports_its_feed_and_writes_no_sequence() -> None:
     assert isinstance(drafts[2], Draft) and drafts[2].tokens == [4, 1, 2]
     assert [int(p.argmax()) for p in drafts[2].probs] == [4, 1, 2]
     assert all(float(p.sum()) == 1.0 for p in drafts[2].probs)
+
+
+def test_an_ngram_row_drafts_only_as_far_as_its_own_record_pays() -> None:
+    """Catches per-row pricing not applied in ``propose`` (or applied to rows without a record):
+    three rows with the same lookup and the same budget; the one whose drafts kept failing
+    proposes nothing, the one whose drafts were all accepted proposes the best k for its record,
+    a new row proposes what the step allows. The engine's k is priced at the best row."""
+    spec = SpecController(max_k=3, acceptance=0.5)
+    for tokens, ms in ((1, 20), (2, 29), (3, 32), (4, 45)):
+        spec.record_target(1, tokens, ms / 1000)
+    spec.record_draft(1, 1, 0.0)
+    draft = NgramDraft(NgramProposer(64, 4), spec, vocab_size=16)
+    history = [1, 2, 3, 4, 1, 2, 3]
+    seqs = [Sequence(list(history), SamplingParams(max_tokens=20)) for _ in range(3)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    seqs[0].num_draft_tokens, seqs[0].num_accepted_tokens = 12, 0
+    seqs[1].num_draft_tokens, seqs[1].num_accepted_tokens = 12, 12
+    batch = ScheduledBatch(seqs, [1] * 3, [3] * 3, [0] * 3)
+    drafts = draft.propose(batch, 3).drafts
+    assert drafts[0] is None
+    best = spec.row_k(3, 3, spec.row_acceptance(12, 12))
+    assert best > 0 and drafts[1] is not None and drafts[1].tokens == [4, 1, 2][:best]
+    assert drafts[2] is not None and drafts[2].tokens == [4, 1, 2]
+    assert draft.acceptance(seqs) == spec.row_acceptance(12, 12)
+    assert draft.acceptance([]) is None

@@ -338,3 +338,66 @@ def test_an_ngram_proposer_may_use_one_n() -> None:
         NgramProposer(4, 4, min_n=3, max_n=2)
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer(4, 4, min_n=0, max_n=2)
+
+
+# -- per-row acceptance (n-gram drafts) --------------------------------------------------------
+
+
+def _ngram_priced() -> SpecController:
+    """Costs of small at batch 1 on the AVX2 host: 1 token 20 ms, 2: 29 ms, 3: 32 ms, 4: 45 ms,
+    5: 52 ms; a lookup costs nothing."""
+    c = SpecController(max_k=4, acceptance=0.5)
+    for tokens, ms in ((1, 20), (2, 29), (3, 32), (4, 45), (5, 52)):
+        c.record_target(1, tokens, ms / 1000)
+    c.record_draft(1, 1, 0.0)
+    return c
+
+
+def _best_k_by_hand(acceptance: float, k: int) -> int:
+    """The same choice written out: tokens per second of each k' <= k, plain decoding unless the
+    best beats it by SPEC_MARGIN."""
+    ms = {1: 20, 2: 29, 3: 32, 4: 45, 5: 52}
+    a = acceptance
+    rate = {j: sum(a**i for i in range(j + 1)) / ms[j + 1] for j in range(k + 1)}
+    best = max(rate, key=rate.__getitem__)
+    return best if best and rate[best] >= 1.1 * rate[0] else 0
+
+
+def test_a_rows_acceptance_is_its_record_shrunk_toward_the_average() -> None:
+    """Catches a row priced at the engine's average (every row inherits the rows before it) or at
+    its raw record (one lucky draft would pin it at 100%): 4 pseudo-drafts at the average."""
+    c = SpecController(max_k=4, acceptance=0.5)
+    assert c.row_acceptance(0, 0) == 0.5  # no record: the average
+    assert c.row_acceptance(4, 0) == pytest.approx(2 / 8)
+    assert c.row_acceptance(12, 12) == pytest.approx(14 / 16)
+    c.acceptance = 0.9
+    assert c.row_acceptance(4, 0) == pytest.approx(3.6 / 8)
+
+
+@pytest.mark.parametrize("acceptance", [0.1, 0.3, 0.45, 0.6, 0.75, 0.9, 0.99])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_row_k_is_the_best_rate_at_the_rows_acceptance(acceptance: float, k: int) -> None:
+    """Catches row_k ignoring the row's acceptance, its cap k, or the margin: compared with the
+    expected rates worked out by hand from the same step costs."""
+    c = _ngram_priced()
+    assert c.row_k(1, k, acceptance) == _best_k_by_hand(acceptance, k)
+
+
+def test_row_k_drafts_for_a_repetitive_row_and_not_for_a_prose_one() -> None:
+    """The case behind it: at batch 1 a prose request's failed drafts stop its drafting, while a
+    repetitive request after it drafts at once (its own record, not the previous request's)."""
+    c = _ngram_priced()
+    c.acceptance = 0.3  # the engine's average after prose requests
+    assert c.choose_k(1) == 0  # priced at the average, nobody would draft
+    prose = c.row_acceptance(8, 1)
+    repeats = c.row_acceptance(8, 8)
+    assert c.row_k(1, 4, prose) == 0
+    assert c.row_k(1, 4, repeats) > 0
+    assert c.choose_k(1, acceptance=repeats) > 0  # the engine's k priced at its best row
+
+
+def test_row_k_leaves_pinned_and_zero_k_alone() -> None:
+    c = _ngram_priced()
+    assert c.row_k(1, 0, 0.99) == 0
+    c.fixed_k = 3
+    assert c.row_k(1, 3, 0.01) == 3  # a pinned k is a benchmark's or a test's: honoured
