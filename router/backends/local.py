@@ -1,7 +1,7 @@
 """A tier served in-process by an ``Engine`` (``LocalTier``, a ``Backend``), and a request for
-it: its prompt ids, one ``SamplingParams`` per choice (each with its own grammar matcher and
-seed), and the submission to the tier's engine, with the engine's refusals turned into
-OpenAI-shaped errors."""
+it: its prompt ids (the tier's chat template, or a model's own tool template when it renders
+tools itself), one ``SamplingParams`` per choice (each with its own grammar matcher and seed), and
+the submission to the tier's engine, with the engine's refusals turned into OpenAI-shaped errors."""
 
 from __future__ import annotations
 
