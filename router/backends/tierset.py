@@ -19,6 +19,7 @@ from router.backends.base import Backend, engine_key, model_key
 from router.backends.local import LocalTier
 from router.backends.remote import RemoteBackend
 from router.errors import PolicyError, PolicyIssue
+from router.policy.decide import TierBatch
 from router.policy.schema import NGRAM
 from tiers.engine import Engine, EngineObserver
 from tiers.pacing import RoutingCost, routing_cost
@@ -33,6 +34,8 @@ __all__ = ["TierSet", "build_tiers"]
 
 log = logging.getLogger(__name__)
 
+SHARE_EMA = 0.1
+"""Weight of each load-aware decision in a tier's moving share of them (``TierSet.batches``)."""
 DECIDED_TTL_S = 2.0
 """How long a load-aware decision counts toward its tier's batch before its request reaches the
 engine: preparing a request (tokenization, cache lookup, grammar) takes milliseconds to a second."""
@@ -50,6 +53,8 @@ class TierSet:
     a request awaits its tokenization and the cache, and a burst of decisions made meanwhile must
     see the batch the earlier ones are about to join."""
     _landed: dict[str, int] = field(default_factory=dict)
+    _share: dict[str, float] = field(default_factory=dict)
+    """Per local tier, a moving average of the share of load-aware decisions that went there."""
     token_bytes: int | None = None
     """The most UTF-8 bytes one token of the counting tokenizer stands for (``max_token_bytes``):
     a text of N bytes has at least N / token_bytes tokens, which refuses a prompt too long for
@@ -91,17 +96,25 @@ class TierSet:
             )
         return costs
 
-    def batches(self, now: float | None = None) -> dict[str, tuple[int, int]]:
-        """Per local tier, ``(sequences it holds, batch slots)``: running, waiting, just
-        submitted and decided but not yet submitted (``decided``), against ``max_num_seqs`` - what
-        load-aware routing joins while there is room."""
+    def batches(self, now: float | None = None) -> dict[str, TierBatch]:
+        """Per local tier, its ``TierBatch``: sequences it holds (running, waiting, just
+        submitted, and decided but not yet submitted: ``decided``) against ``max_num_seqs`` -
+        what load-aware routing joins while there is room - and, for an idle tier, how likely it
+        runs anyway: the chance that at least one of the other requests held on the device right
+        now would have gone there, at its recent share of decisions. One client alone holds
+        nothing else, so an idle tier stays idle to it; a burst's requests see each other."""
         now = time.monotonic() if now is None else now
-        out = {}
+        held: dict[str, tuple[int, int]] = {}
         for name, b in self.tiers.items():
             if isinstance(b, LocalTier):
                 load = b.engine.load(predicted=False)
-                held = load.num_running + load.num_waiting + self._pending(name, load.submitted, now)
-                out[name] = (held, load.max_num_seqs)
+                n = load.num_running + load.num_waiting + self._pending(name, load.submitted, now)
+                held[name] = (n, load.max_num_seqs)
+        total = sum(n for n, _ in held.values())
+        out = {}
+        for name, (n, slots) in held.items():
+            share = self._share.get(name, 1.0 / len(held))
+            out[name] = TierBatch(n, slots, 1.0 if n else round(1.0 - (1.0 - share) ** (total - n), 3))
         return out
 
     def decided(self, tier: str, now: float | None = None) -> None:
@@ -111,6 +124,10 @@ class TierSet:
             now = time.monotonic() if now is None else now
             self._pending(tier, b.engine.load(predicted=False).submitted, now)  # sync before adding
             self._decided[tier].append(now)
+        local = [name for name, t in self.tiers.items() if isinstance(t, LocalTier)]
+        for name in local:
+            old = self._share.get(name, 1.0 / len(local))
+            self._share[name] = old + SHARE_EMA * (float(name == tier) - old)
 
     def _pending(self, name: str, submitted: int, now: float) -> int:
         """Decisions for ``name`` its engine has not received yet. Each submission the engine

@@ -10,9 +10,11 @@ Order of evaluation:
    Load (``routing.mode: load_aware``): the rule's tier is a floor; among it and the tiers above
    (the tenant's, not full), the highest whose running batch has a free slot (``batches``: the
    request joins work the device does anyway, and the tiers below drain instead of taking turns
-   with it); when none has, the one whose ``costs`` (the request's predicted completion plus the
-   delay it adds to others on the shared device, ``tiers/pacing.py``) are lowest - a higher one
-   while within ``up_tolerance`` of the lowest. The rule becomes ``load:<rule>`` when it moved.
+   with it) - an idle tier counts as running when it is likely to run anyway (``TierBatch.busy``
+   of at least ``BUSY_JOIN``); when none has, the one whose ``costs`` (the request's predicted
+   completion plus the delay it adds to others on the shared device, ``tiers/pacing.py``) are
+   lowest - a higher one while within ``up_tolerance`` of the lowest. The rule becomes
+   ``load:<rule>`` when it moved.
 4. Session: a follow-up of a conversation that had a tier (``session``, see router/pipeline/session.py)
    never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.
 5. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
@@ -24,13 +26,40 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from router.errors import ModelNotFoundError
 from router.policy.schema import Condition, Policy
 from router.policy.signals import detect_language, matches_keywords
 
-__all__ = ["Decision", "RouteRequest", "ScoreLike", "decide", "unknown_tenant_tiers"]
+__all__ = [
+    "BUSY_JOIN",
+    "Decision",
+    "RouteRequest",
+    "ScoreLike",
+    "TierBatch",
+    "decide",
+    "unknown_tenant_tiers",
+]
+
+BUSY_JOIN = 0.5
+"""Load-aware routing joins an idle tier's batch as if it ran once it is at least this likely to
+run in the coming rounds anyway (``TierBatch.busy``)."""
+
+
+class TierBatch(NamedTuple):
+    """A local tier's batch as load-aware routing sees it."""
+
+    held: int
+    """Sequences it holds: running, waiting, and decided but not yet submitted."""
+    slots: int
+    """Its ``max_num_seqs``."""
+    busy: float = 0.0
+    """How likely it runs in the coming rounds without this request: 1 while it holds work;
+    for an idle tier, the chance that another request in flight on the device lands there
+    (``TierSet.batches``). An idle tier's first row pays its whole step (a large tier's is many
+    cheap tiers' rows), but not when the next request would start it anyway: a burst arriving
+    on an idle device otherwise split by its first few requests' floors, and the split stayed."""
 
 
 class ScoreLike(Protocol):
@@ -155,7 +184,7 @@ def _load_aware(
     tenant: str | None,
     costs: Mapping[str, float],
     full: Mapping[str, bool],
-    batches: Mapping[str, tuple[int, int]],
+    batches: Mapping[str, tuple[int, int] | TierBatch],
 ) -> tuple[str, str]:
     """The acceptable tier at or above ``tier`` that the load picks, and the reason's words."""
     order = policy.tier_names
@@ -167,11 +196,13 @@ def _load_aware(
     if not candidates or candidates == [tier]:
         return tier, ""  # nothing to choose: a full floor falls back along routing.fallback
     if policy.routing.load_aware.join_running:
-        running = [t for t in candidates if 0 < batches.get(t, (0, 0))[0] < batches[t][1]]
+        room = [(t, TierBatch(*batches[t])) for t in candidates if t in batches]
+        running = [(t, b) for t, b in room if b.held < b.slots and (b.held > 0 or b.busy >= BUSY_JOIN)]
         if running:
-            pick = running[-1]
-            held, slots = batches[pick]
-            return pick, f"; load-aware: joins the running batch of '{pick}' ({held}/{slots} rows)"
+            pick, b = running[-1]
+            if b.held:
+                return pick, f"; load-aware: joins the running batch of '{pick}' ({b.held}/{b.slots} rows)"
+            return pick, f"; load-aware: joins '{pick}', idle now but likely to run anyway (p {b.busy:.2f})"
     cheapest = min(costs[t] for t in candidates)
     tolerance = policy.routing.load_aware.up_tolerance
     pick = [t for t in candidates if costs[t] <= cheapest * (1 + tolerance)][-1]
@@ -190,12 +221,13 @@ def decide(
     score: ScoreLike,
     tier_load: Mapping[str, bool] | None = None,
     costs: Mapping[str, float] | None = None,
-    batches: Mapping[str, tuple[int, int]] | None = None,
+    batches: Mapping[str, tuple[int, int] | TierBatch] | None = None,
 ) -> Decision:
     """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free.
     ``costs`` maps tier -> the price of this request there now (seconds; ``load_aware`` mode only,
-    tiers without one are not candidates); ``batches`` maps tier -> (sequences it holds, batch
-    slots), for ``load_aware``'s preference for a running batch with room."""
+    tiers without one are not candidates); ``batches`` maps tier -> ``TierBatch`` (sequences it
+    holds, batch slots, how likely it runs anyway), for ``load_aware``'s preference for a running
+    batch with room."""
     full = tier_load or {}
     escalated = False
     session_changed: str | None = None

@@ -4,12 +4,15 @@ state, driving decide() in load-aware mode (fake engines: the step costs are giv
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from router.backends.local import LocalTier
-from router.backends.tierset import DECIDED_TTL_S, TierSet
-from router.policy.decide import RouteRequest, decide
+from router.backends.tierset import DECIDED_TTL_S, SHARE_EMA, TierSet
+from router.policy.decide import BUSY_JOIN, RouteRequest, TierBatch, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig
 from tests.router.policy.test_decide import Score
@@ -126,6 +129,10 @@ def test_unmeasured_and_remote_tiers_are_left_out() -> None:
     assert set(costs) == {"small", "medium"}
 
 
+def _held(batches: Mapping[str, TierBatch]) -> dict[str, tuple[int, int]]:
+    return {t: (b.held, b.slots) for t, b in batches.items()}
+
+
 def test_a_split_device_consolidates_into_the_highest_running_batch() -> None:
     # Small and large both decode six rows. One more row prices almost the same on either (a
     # sliver of a running step), so pricing alone keeps feeding small and the device stays split:
@@ -134,7 +141,7 @@ def test_a_split_device_consolidates_into_the_highest_running_batch() -> None:
     assert route(ts).tier == "small"  # the prices alone
     costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=20)
     batches = ts.batches()
-    assert batches == {"small": (6, 16), "medium": (0, 16), "large": (6, 16)}
+    assert _held(batches) == {"small": (6, 16), "medium": (0, 16), "large": (6, 16)}
     d = decide(POLICY, RouteRequest(), Score(0.1), {}, {t: c.total_s for t, c in costs.items()}, batches)
     assert (d.tier, d.rule) == ("large", "load:score-small")
 
@@ -146,7 +153,7 @@ def test_a_burst_of_decisions_sees_the_batch_its_earlier_decisions_are_about_to_
     small, large = FakeEngine(SMALL), FakeEngine(LARGE)
     ts = tierset(small, FakeEngine(MEDIUM), large)
     ts.decided("large", now=0.0)
-    assert ts.batches(now=0.1) == {"small": (0, 16), "medium": (0, 16), "large": (1, 16)}
+    assert _held(ts.batches(now=0.1)) == {"small": (0, 16), "medium": (0, 16), "large": (1, 16)}
     costs = ts.routing_costs(dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=20)
     d = decide(
         POLICY, RouteRequest(), Score(0.1), {}, {t: c.total_s for t, c in costs.items()}, ts.batches(now=0.1)
@@ -155,10 +162,82 @@ def test_a_burst_of_decisions_sees_the_batch_its_earlier_decisions_are_about_to_
     # The engine counts the submission: the decision has landed and is not counted twice.
     ts.decided("large", now=0.2)
     large.submitted, large.scheduler.num_running = 1, 1
-    assert ts.batches(now=0.3)["large"] == (2, 16)
+    assert ts.batches(now=0.3)["large"][:2] == (2, 16)
     large.submitted, large.scheduler.num_running = 2, 2
-    assert ts.batches(now=0.4)["large"] == (2, 16)
+    assert ts.batches(now=0.4)["large"][:2] == (2, 16)
     # A decision whose request never arrives (a cache hit, an error) is forgotten after the TTL.
     ts.decided("small", now=1.0)
-    assert ts.batches(now=1.0 + DECIDED_TTL_S - 0.01)["small"] == (1, 16)
-    assert ts.batches(now=1.0 + DECIDED_TTL_S + 0.01)["small"] == (0, 16)
+    assert ts.batches(now=1.0 + DECIDED_TTL_S - 0.01)["small"][:2] == (1, 16)
+    assert ts.batches(now=1.0 + DECIDED_TTL_S + 0.01)["small"][:2] == (0, 16)
+
+
+def test_an_idle_tier_is_as_busy_as_the_chance_another_request_in_flight_lands_there() -> None:
+    # Catches: the busy estimate ignoring the other requests held on the device (one client alone
+    # would be consolidated onto large), ignoring the decisions' shares, or marking a tier that
+    # holds work as anything but running. Reference: 1 - (1 - share) ** others, with the share a
+    # moving average of decisions (weight SHARE_EMA) written out here.
+    small, medium, large = FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE)
+    ts = tierset(small, medium, large)
+    idle = ts.batches(now=0.0)
+    assert [b.busy for b in idle.values()] == [0.0, 0.0, 0.0]  # nothing else held: nothing runs anyway
+    share = {"small": 1 / 3, "medium": 1 / 3, "large": 1 / 3}
+    for i, tier in enumerate(["large", "large", "small", "large"] * 2):
+        ts.decided(tier, now=10.0 + i)  # long ago by now=100: only the shares remain
+        share = {t: v + SHARE_EMA * (float(t == tier) - v) for t, v in share.items()}
+    small.scheduler.num_running = 3  # three requests in flight, all on small
+    got = ts.batches(now=100.0)
+    assert got["small"] == TierBatch(3, 16, 1.0)
+    assert got["large"].busy == pytest.approx(1 - (1 - share["large"]) ** 3, abs=1e-3)
+    assert got["medium"].busy == pytest.approx(1 - (1 - share["medium"]) ** 3, abs=1e-3)
+    assert got["large"].busy > BUSY_JOIN > got["medium"].busy
+
+
+def test_a_burst_on_an_idle_device_consolidates_within_its_first_requests_and_one_client_does_not() -> None:
+    # The case behind it (routing_gain, 16 clients): a burst of small-scored requests on an idle
+    # device went to small one after the other (each saw only small running) until a large-scored
+    # request started large, and the device ran small's and large's steps in turn for the whole
+    # wave. With half the recent decisions on large, the burst's third request joins large.
+    def burst(ts: TierSet, n: int, start: float) -> list[str]:
+        picks = []
+        for i in range(n):
+            now = start + 0.001 * i
+            costs = ts.routing_costs(
+                dict.fromkeys(ts.tiers, 0.0), dict.fromkeys(ts.tiers, 64), prompt_tokens=20
+            )
+            d = decide(
+                POLICY,
+                RouteRequest(),
+                Score(0.1),
+                {},
+                {t: c.total_s for t, c in costs.items()},
+                ts.batches(now),
+            )
+            ts.decided(d.tier, now=now)
+            picks.append(d.tier)
+        return picks
+
+    ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE))
+    for i in range(20):
+        ts.decided(["small", "large"][i % 2], now=float(i))
+    assert burst(ts, 6, 100.0) == ["small", "small", "large", "large", "large", "large"]
+    # Only small-scored traffic so far: nothing makes large run, and the burst stays on small.
+    ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE))
+    for i in range(20):
+        ts.decided("small", now=float(i))
+    assert burst(ts, 6, 100.0) == ["small"] * 6
+    # One client: its requests never overlap, so nothing else is held when it is routed, and a
+    # small-scored request goes to small however many went to large before it.
+    ts = tierset(FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE))
+    for i in range(20):
+        ts.decided("large", now=float(i))
+    assert burst(ts, 1, 100.0) == ["small"]
+    # The reason says why an idle tier was joined.
+    d = decide(
+        POLICY,
+        RouteRequest(),
+        Score(0.1),
+        {},
+        dict.fromkeys(ts.tiers, 1.0),
+        {"small": (2, 16), "large": (0, 16, 0.6)},
+    )
+    assert d.tier == "large" and "idle now but likely to run anyway (p 0.60)" in d.reason

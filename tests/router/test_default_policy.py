@@ -98,4 +98,4 @@ def test_load_aware_mode_prices_every_embedded_tier_from_its_warm_up(server: Ser
     assert not body["rule"].startswith("load:")
     # /v1/route explains without submitting: its decision must not count toward a batch
     # (TierSet.decided), or a burst of explains would pull real requests onto an idle tier.
-    assert all(held == 0 for held, _ in service.tiers.batches().values())
+    assert all(b.held == 0 for b in service.tiers.batches().values())
