@@ -14,7 +14,7 @@ from tiers.output import StepOutput
 from tiers.remote import RemoteError, RemoteLoad, RemoteTier
 
 if TYPE_CHECKING:
-    from router.pipeline.calls import Generation
+    from router.openai.request import Generation
     from router.policy.schema import TierConfig
 
 __all__ = ["RemoteBackend", "upstream_body"]

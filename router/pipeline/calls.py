@@ -1,6 +1,6 @@
 """What comes back out of the service: a ``Completion`` for the HTTP layer, a ``CachedAnswer``
 from the response cache. The request going in is ``router.openai.request``'s ``Generation`` (with
-its ``CallContext``), named here too for the modules that import it from here.
+its ``CallContext``).
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from router.openai.request import CallContext, Generation, Sampling
-
-__all__ = ["CachedAnswer", "CallContext", "Completion", "Generation", "Sampling"]
+__all__ = ["CachedAnswer", "Completion"]
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import router.pipeline.cache as cache_module
+from router.openai.request import CallContext, Generation
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest
 from router.pipeline.cache import CacheKey, MemoryStore, RedisStore, ResponseCache, build_cache
-from router.pipeline.calls import CallContext, Generation
 from router.policy.decide import Decision
 from router.policy.loader import parse_policy
 from router.policy.schema import CacheConfig, SemanticCacheConfig

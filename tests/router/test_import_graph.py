@@ -39,11 +39,7 @@ ROUTER_LAYERS: list[tuple[str, ...]] = [
     ("router.errors", "router.telemetry"),
 ]
 # Arrows up the layers that remain, each with its reason; a new one fails.
-ALLOWED_UPWARD: set[str] = {
-    # The typed request (Generation) lives in router.openai.request, below every reader; the
-    # remote backend still names it (type only) through router.pipeline.calls' re-export.
-    "router.backends.remote -> router.pipeline.calls",
-}
+ALLOWED_UPWARD: set[str] = set()
 
 
 def find_modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from router.openai.request import Generation
 from router.openai.schemas import ChatCompletionRequest, ChatMessage
 from router.openai.writer import InFlight, Merged, ResponseWriter
-from router.pipeline.calls import Generation
 from router.policy.decide import Decision
 from router.telemetry import Telemetry
 from tiers.output import StepOutput
