@@ -139,6 +139,11 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
         ctx.error(
             ("routing", "load_aware", "up_tolerance"), f"must be >= 0, got {routing.load_aware.up_tolerance}"
         )
+    if routing.load_aware.min_device_rows < 0:
+        ctx.error(
+            ("routing", "load_aware", "min_device_rows"),
+            f"must be >= 0, got {routing.load_aware.min_device_rows}",
+        )
     esc = routing.escalation.confidence_below
     if esc is not None and not 0 < esc <= 1:
         ctx.error(("routing", "escalation", "confidence_below"), "must be in (0, 1]")

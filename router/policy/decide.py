@@ -8,7 +8,8 @@ Order of evaluation:
    all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
    Load (``routing.mode: load_aware``): the rule's tier is a floor; among it and the tiers above
-   (the tenant's, not full), the highest whose running batch has a free slot (``batches``: the
+   (the tenant's, not full) - once the device holds ``min_device_rows`` sequences in all, below
+   that the rule's tier stands -, the highest whose running batch has a free slot (``batches``: the
    request joins work the device does anyway, and the tiers below drain instead of taking turns
    with it) - an idle tier counts as running when it is likely to run anyway (``TierBatch.busy``
    of at least ``BUSY_JOIN``); when none has, the one whose ``costs`` (the request's predicted
@@ -210,6 +211,11 @@ def _load_aware(
     return pick, f"; load-aware ({priced}): '{pick}'"
 
 
+def _device_rows(batches: Mapping[str, tuple[int, int] | TierBatch] | None) -> int:
+    """Sequences held on the device in all (the sum of ``TierBatch.held``)."""
+    return sum(b[0] for b in (batches or {}).values())
+
+
 def _load_eligible(policy: Policy, rule: str, used_score: bool) -> bool:
     names = policy.routing.load_aware.rules
     return used_score if names is None else rule in names
@@ -263,7 +269,12 @@ def decide(
             if above is not None:
                 reason += f"; escalated {tier} -> {above} (confidence {confidence:.2f} < {threshold})"
                 tier, escalated = above, True
-        if policy.routing.mode == "load_aware" and costs and _load_eligible(policy, rule, used_score):
+        if (
+            policy.routing.mode == "load_aware"
+            and costs
+            and _load_eligible(policy, rule, used_score)
+            and _device_rows(batches) >= policy.routing.load_aware.min_device_rows
+        ):
             picked, why = _load_aware(policy, tier, request.tenant, costs, full, batches or {})
             reason += why
             if picked != tier:

@@ -27,6 +27,7 @@ POLICY = parse_policy(
       large: {model: m}
     routing:
       mode: load_aware
+      load_aware: {min_device_rows: 0}
       rules:
         - {name: score-small, when: {score_below: 0.3}, tier: small}
         - {name: score-medium, when: {score_below: 0.7}, tier: medium}

@@ -355,7 +355,7 @@ def test_a_capped_fallback_that_comes_back_to_a_full_tier_is_a_rejection() -> No
 LOAD = """
 routing:
   mode: load_aware
-  load_aware: {up_tolerance: 0.25}
+  load_aware: {up_tolerance: 0.25, min_device_rows: 0}
   rules:
     - name: cheap
       when: {score_below: 0.5}

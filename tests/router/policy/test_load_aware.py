@@ -23,7 +23,7 @@ tenants:
   free: {allowed_tiers: [small, medium]}
 routing:
   mode: MODE
-  load_aware: {up_tolerance: 0.1}
+  load_aware: {up_tolerance: 0.1, min_device_rows: 0}
   aliases: {fast: small}
   rules:
     - name: tools
@@ -95,7 +95,11 @@ def test_static_mode_forced_names_and_rules_without_the_score_ignore_prices() ->
 
 def test_listed_rules_may_move_even_without_the_score() -> None:
     policy = parse_policy(
-        textwrap.dedent(YAML.replace("MODE", "load_aware").replace("{up_tolerance: 0.1}", "{rules: [tools]}"))
+        textwrap.dedent(
+            YAML.replace("MODE", "load_aware").replace(
+                "{up_tolerance: 0.1, min_device_rows: 0}", "{rules: [tools], min_device_rows: 0}"
+            )
+        )
     )
     assert route({"small": 5.0, "large": 0.1}, policy=policy, has_tools=True).tier == "large"
     assert route({"small": 5.0, "large": 0.1}, policy=policy).tier == "small"  # score-small not listed
@@ -103,13 +107,14 @@ def test_listed_rules_may_move_even_without_the_score() -> None:
 
 def test_load_aware_settings_are_validated_with_their_field_path() -> None:
     bad = YAML.replace("MODE", "load_aware").replace(
-        "{up_tolerance: 0.1}", "{rules: [nope], up_tolerance: -1}"
+        "{up_tolerance: 0.1, min_device_rows: 0}", "{rules: [nope], up_tolerance: -1, min_device_rows: -1}"
     )
     with pytest.raises(PolicyError) as err:
         parse_policy(textwrap.dedent(bad))
     text = str(err.value)
     assert "routing.load_aware.rules[0]" in text and "nope" in text
     assert "routing.load_aware.up_tolerance" in text
+    assert "routing.load_aware.min_device_rows" in text
     with pytest.raises(PolicyError, match=r"routing\.mode"):
         parse_policy(textwrap.dedent(YAML.replace("MODE", "fastest")))
 
@@ -163,10 +168,34 @@ def test_a_running_batch_below_the_floor_or_outside_the_tenants_tiers_is_not_joi
 def test_join_running_off_leaves_the_choice_to_the_prices() -> None:
     policy = parse_policy(
         textwrap.dedent(
-            YAML.replace("MODE", "load_aware").replace("{up_tolerance: 0.1}", "{join_running: false}")
+            YAML.replace("MODE", "load_aware").replace(
+                "{up_tolerance: 0.1, min_device_rows: 0}", "{join_running: false, min_device_rows: 0}"
+            )
         )
     )
     d = joined(PRICES, {"large": (3, 16)}, policy=policy)
     assert (d.tier, d.rule) == ("small", "score-small")
     # Static mode never joins either.
     assert joined(PRICES, {"large": (3, 16)}, policy=STATIC).tier == "small"
+
+
+def test_below_min_device_rows_the_rules_tier_stands() -> None:
+    """Catches the light-load guard ignored (at 4 clients consolidating onto large measured 0.97x
+    always-large where the rules' split was 1.22x) or counted from one tier instead of the whole
+    device: 7 rows held in all keep the floor, 8 let load join large's batch."""
+    policy = parse_policy(
+        textwrap.dedent(
+            YAML.replace("MODE", "load_aware").replace("min_device_rows: 0", "min_device_rows: 8")
+        )
+    )
+    d = joined(PRICES, {"small": (4, 16), "medium": (0, 16), "large": (3, 16)}, policy=policy)
+    assert (d.tier, d.rule) == ("small", "score-small") and "load-aware" not in d.reason
+    d = joined(PRICES, {"small": (4, 16), "medium": (1, 16), "large": (3, 16)}, policy=policy)
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+    # Unset, the guard is the documented 8.
+    assert (
+        parse_policy(
+            "version: 1\ntiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}"
+        ).routing.load_aware.min_device_rows
+        == 8
+    )
