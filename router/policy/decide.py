@@ -7,11 +7,11 @@ Order of evaluation:
 2. Otherwise the rules, by descending ``priority`` then file order; the first whose conditions
    all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
-   Load (``routing.mode: load_aware``): the rule's tier is a floor; among it and the tiers above
-   (the tenant's, not full) - once the device holds ``min_device_rows`` sequences in all, below
-   that the rule's tier stands -, the highest whose running batch has a free slot (``batches``: the
-   request joins work the device does anyway, and the tiers below drain instead of taking turns
-   with it) - an idle tier counts as running when it is likely to run anyway (``TierBatch.busy``
+   Load (``routing.mode: load_aware``, once the device holds ``min_device_rows`` sequences in
+   all; below that the rule's tier stands): the rule's tier is a floor; among it and the tiers
+   above (the tenant's, not full), the highest whose running batch has a free slot (``batches``:
+   the request joins work the device does anyway, and the tiers below drain instead of taking
+   turns with it) - an idle tier counts as running when it is likely to run anyway (``TierBatch.busy``
    of at least ``BUSY_JOIN``); when none has, the one whose ``costs`` (the request's predicted
    completion plus the delay it adds to others on the shared device, ``tiers/pacing.py``) are
    lowest - a higher one while within ``up_tolerance`` of the lowest. The rule becomes
