@@ -7,8 +7,9 @@ engines of a tier run the same greedy requests (96 new tokens, EOS ignored, so e
 generates the same number of tokens) in ``REPS`` pairs, alternating which runs first; the
 speedup is the median of the pairs' ratios, so this VM's drift hits both alike. Drafting must
 never make a tier slower (the controller prices each round by the draft's and the target's
-measured step costs and the measured acceptance, and drafts only where it pays). The large tier at batch 1 is also set beside transformers' assisted generation
-(``assistant_model=``) on the same two models.
+measured step costs and the measured acceptance, and drafts only where it pays). The large tier
+at batch 1 is also set beside transformers' assisted generation (``assistant_model=``) on the
+same two models.
 
 Writes benchmarks/results/speculative.{json,png}.
 
