@@ -69,8 +69,10 @@ def test_load_aware_mode_prices_every_embedded_tier_from_its_warm_up(server: Ser
 
     service = server.service
     static = service.policy
+    # min_device_rows 0: load applies on the idle device too (below 8 rows the rule's tier stands).
+    load_aware = dataclasses.replace(static.routing.load_aware, min_device_rows=0)
     service.policy = dataclasses.replace(
-        static, routing=dataclasses.replace(static.routing, mode="load_aware")
+        static, routing=dataclasses.replace(static.routing, mode="load_aware", load_aware=load_aware)
     )
     try:
         server.wait_idle()
