@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -193,7 +195,10 @@ async def _warm_up(client: httpx.AsyncClient, tiers: list[str]) -> None:
         await _phase(client, 16, tier, PROMPTS)
 
 
-async def run(policy: Path, loads: list[int], port: int) -> dict[str, Any]:
+async def run(
+    policy: Path, loads: list[int], port: int, modes: tuple[str, ...] = MODES, reps: int = 1
+) -> dict[str, Any]:
+    tiers = list(yaml.safe_load(policy.read_text())["tiers"])
     with tempfile.TemporaryDirectory() as tmp:
         live = Path(tmp) / "policy.yaml"
         _set_mode(policy, live, "static")
@@ -201,52 +206,70 @@ async def run(policy: Path, loads: list[int], port: int) -> dict[str, Any]:
             async with httpx.AsyncClient(base_url=url, timeout=600) as client:
                 await _await_policy(client, hashlib.sha256(live.read_bytes()).hexdigest()[:12])
                 floors = await _floors(client)
-                await _warm_up(client, list(yaml.safe_load(policy.read_text())["tiers"]))
-                order = list(floors)
+                await _warm_up(client, tiers)
                 rows = []
-                for i, clients in enumerate(loads):
-                    prompts = order * (2 if clients > len(order) else 1)
-                    modes = MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
-                    for mode in modes:
-                        if mode in ("static", "load_aware"):
-                            await _await_policy(client, _set_mode(policy, live, mode))
-                        model = "auto" if mode in ("static", "load_aware") else mode
-                        print(f"clients={clients} mode={mode}", flush=True)
-                        res = await _phase(client, clients, model, prompts)
-                        tiers = list(yaml.safe_load(policy.read_text())["tiers"])
-                        served = res.pop("served")
-                        shares = Counter(t for _, t in served)
-                        below = sum(1 for p, t in served if tiers.index(t) < tiers.index(floors[p]))
-                        res |= {
-                            "clients": clients,
-                            "mode": mode,
-                            "tier_share": {t: round(shares[t] / max(1, len(served)), 3) for t in tiers},
-                            "below_score_share": round(below / max(1, len(served)), 3),
-                        }
-                        print(
-                            f"  wall {res['wall_s']} s, mean {res['mean_latency_s']} s, "
-                            f"{res['tokens_per_s']} tok/s, tiers {res['tier_share']}",
-                            flush=True,
-                        )
-                        rows.append(res)
+                turn = 0
+                for clients in loads:
+                    prompts = list(floors) * (2 if clients > len(floors) else 1)
+                    for rep in range(reps):
+                        # Rotating order: a drift in the machine's speed favours no mode.
+                        for mode in modes[turn % len(modes) :] + modes[: turn % len(modes)]:
+                            if mode in ("static", "load_aware"):
+                                await _await_policy(client, _set_mode(policy, live, mode))
+                            model = "auto" if mode in ("static", "load_aware") else mode
+                            print(f"clients={clients} rep={rep} mode={mode}", flush=True)
+                            res = await _phase(client, clients, model, prompts)
+                            served = res.pop("served")
+                            shares = Counter(t for _, t in served)
+                            below = sum(1 for p, t in served if tiers.index(t) < tiers.index(floors[p]))
+                            res |= {
+                                "clients": clients,
+                                "rep": rep,
+                                "mode": mode,
+                                "tier_share": {t: round(shares[t] / max(1, len(served)), 3) for t in tiers},
+                                "below_score_share": round(below / max(1, len(served)), 3),
+                            }
+                            print(
+                                f"  wall {res['wall_s']} s, mean {res['mean_latency_s']} s, "
+                                f"{res['tokens_per_s']} tok/s, tiers {res['tier_share']}",
+                                flush=True,
+                            )
+                            rows.append(res)
+                        turn += 1
     return {"floors": dict(Counter(floors.values())), "rows": rows}
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = {}
+    """Per load and mode, the median over repetitions of each repetition's ratio to always-large
+    measured in the same rotation (paired: the machine's drift cancels within a repetition),
+    and the range of those ratios."""
+    out: dict[str, Any] = {}
     for clients in sorted({r["clients"] for r in rows}):
-        by = {r["mode"]: r for r in rows if r["clients"] == clients}
-        large = by["large"]
-        out[str(clients)] = {
-            mode: {
-                "wall_vs_large": round(large["wall_s"] / by[mode]["wall_s"], 3),
-                "mean_latency_vs_large": round(large["mean_latency_s"] / by[mode]["mean_latency_s"], 3),
-                "goodput_vs_large": round(by[mode]["goodput_rps"] / max(large["goodput_rps"], 1e-9), 3),
-                "answered": f"{by[mode]['answered']}/{by[mode]['requests']}",
+        reps = sorted({r["rep"] for r in rows if r["clients"] == clients})
+        by = {(r["rep"], r["mode"]): r for r in rows if r["clients"] == clients}
+        out[str(clients)] = {}
+        for mode in sorted({m for _, m in by if m != "large"}):
+            ratios: dict[str, list[float]] = {"wall": [], "mean_latency": [], "goodput": []}
+            answered = []
+            for rep in reps:
+                large, row = by[(rep, "large")], by[(rep, mode)]
+                ratios["wall"].append(large["wall_s"] / row["wall_s"])
+                ratios["mean_latency"].append(large["mean_latency_s"] / row["mean_latency_s"])
+                ratios["goodput"].append(row["goodput_rps"] / max(large["goodput_rps"], 1e-9))
+                answered.append(f"{row['answered']}/{row['requests']}")
+            out[str(clients)][mode] = {
+                **{f"{k}_vs_large": round(statistics.median(v), 3) for k, v in ratios.items()},
+                "wall_vs_large_range": [round(min(ratios["wall"]), 3), round(max(ratios["wall"]), 3)],
+                "answered": answered,
             }
-            for mode in ("static", "load_aware", "small")
-        }
     return out
+
+
+def _median_rows(rows: list[dict[str, Any]], mode: str, key: str) -> dict[int, float]:
+    loads = sorted({r["clients"] for r in rows})
+    return {
+        c: statistics.median(r[key] for r in rows if r["clients"] == c and r["mode"] == mode) for c in loads
+    }
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -257,10 +280,10 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     loads = sorted({r["clients"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in MODES:
-        by = {r["clients"]: r for r in rows if r["mode"] == mode}
-        axes[0].plot(loads, [by[c]["wall_s"] for c in loads], marker="o", label=mode)
-        axes[1].plot(loads, [by[c]["mean_latency_s"] for c in loads], marker="o", label=mode)
+    for mode in sorted({r["mode"] for r in rows}):
+        wall, latency = _median_rows(rows, mode, "wall_s"), _median_rows(rows, mode, "mean_latency_s")
+        axes[0].plot(loads, [wall[c] for c in loads], marker="o", label=mode)
+        axes[1].plot(loads, [latency[c] for c in loads], marker="o", label=mode)
     for ax, title in zip(axes, ("wall time (s)", "mean latency (s)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(loads, [str(c) for c in loads])
@@ -268,7 +291,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"routing_gain: {len(PROMPTS)} prompts x {MAX_TOKENS} tokens, greedy (lower is better)")
+    fig.suptitle(
+        f"routing_gain: {len(PROMPTS)} prompts x {MAX_TOKENS} tokens, greedy, medians (lower is better)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -278,9 +303,15 @@ def main() -> None:
     ap.add_argument("--policy", default=str(ROOT / "policies/default.yaml"))
     ap.add_argument("--loads", default="1,4,16,48")
     ap.add_argument("--port", type=int, default=8093)
+    ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    ap.add_argument("--reps", type=int, default=3, help="rotations per load (medians of paired ratios)")
+    ap.add_argument("--no-write", action="store_true", help="print only (diagnosis runs)")
     args = ap.parse_args()
     loads = [int(x) for x in args.loads.split(",")]
-    result = asyncio.run(run(Path(args.policy), loads, args.port))
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if "large" not in modes or set(modes) - set(MODES):
+        ap.error(f"--modes: a subset of {','.join(MODES)} that includes large (the baseline)")
+    result = asyncio.run(run(Path(args.policy), loads, args.port, modes, args.reps))
     data = {
         "machine": machine(),
         "workload": {
@@ -290,9 +321,13 @@ def main() -> None:
             "max_tokens": MAX_TOKENS,
             "temperature": 0,
         },
+        "reps": args.reps,
         **result,
         "vs_large": _summary(result["rows"]),
     }
+    if args.no_write:
+        print(json.dumps(data["vs_large"], indent=1))
+        return
     print(write_json("routing_gain", data))
     _plot(result["rows"], plot_path("routing_gain"))
 

@@ -190,7 +190,9 @@ class RouterService:
                 if policy.routing.mode == "load_aware" and self.tiers is not None
                 else {}
             )
-            batches = self.tiers.batches() if costs and self.tiers is not None else {}
+            # Observed in every mode: the device's recent peak is load-aware's memory of sustained load.
+            batches = self.tiers.batches() if self.tiers is not None else {}
+            device_rows = self.tiers.device_rows(batches) if batches and self.tiers is not None else None
             decision = decide(
                 policy,
                 route_request,
@@ -198,12 +200,15 @@ class RouterService:
                 admission.refusing,
                 {t: c.total_s for t, c in costs.items()},
                 batches,
+                device_rows,
             )
             if costs:
                 span.set_attribute(
                     "router.costs", json.dumps({t: round(c.total_s, 4) for t, c in costs.items()})
                 )
                 span.set_attribute("router.batches", json.dumps(batches))
+                if device_rows is not None:
+                    span.set_attribute("router.device_rows", round(device_rows, 2))
             if batches and self.tiers is not None and request is not None and not decision.rejected:
                 self.tiers.decided(decision.tier)  # /v1/route (no request) submits nothing
             span.set_attribute("router.tier", decision.tier)

@@ -8,14 +8,14 @@ Order of evaluation:
    all hold picks the tier.
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
    Load (``routing.mode: load_aware``, once the device holds ``min_device_rows`` sequences in
-   all; below that the rule's tier stands): the rule's tier is a floor; among it and the tiers
-   above (the tenant's, not full), the highest whose running batch has a free slot (``batches``:
-   the request joins work the device does anyway, and the tiers below drain instead of taking
-   turns with it) - an idle tier counts as running when it is likely to run anyway (``TierBatch.busy``
-   of at least ``BUSY_JOIN``); when none has, the one whose ``costs`` (the request's predicted
-   completion plus the delay it adds to others on the shared device, ``tiers/pacing.py``) are
-   lowest - a higher one while within ``up_tolerance`` of the lowest. The rule becomes
-   ``load:<rule>`` when it moved.
+   all, now or recently; below that the rule's tier stands): the rule's tier is a floor; among
+   it and the tiers above (the tenant's, not full), the highest whose running batch has a free
+   slot (``batches``: the request joins work the device does anyway, and the tiers below drain
+   instead of taking turns with it) - an idle tier counts as running when it is likely to run
+   anyway (``TierBatch.busy`` of at least ``BUSY_JOIN``); when none has, the one whose ``costs``
+   (the request's predicted completion plus the delay it adds to others on the shared device,
+   ``tiers/pacing.py``) are lowest - a higher one while within ``up_tolerance`` of the lowest.
+   The rule becomes ``load:<rule>`` when it moved.
 4. Session: a follow-up of a conversation that had a tier (``session``, see router/pipeline/session.py)
    never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.
 5. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
@@ -228,12 +228,14 @@ def decide(
     tier_load: Mapping[str, bool] | None = None,
     costs: Mapping[str, float] | None = None,
     batches: Mapping[str, tuple[int, int] | TierBatch] | None = None,
+    device_rows: float | None = None,
 ) -> Decision:
     """Route one request. ``tier_load`` maps tier -> "queue full"; absent tiers count as free.
     ``costs`` maps tier -> the price of this request there now (seconds; ``load_aware`` mode only,
     tiers without one are not candidates); ``batches`` maps tier -> ``TierBatch`` (sequences it
     holds, batch slots, how likely it runs anyway), for ``load_aware``'s preference for a running
-    batch with room."""
+    batch with room; ``device_rows`` the device's load for the ``min_device_rows`` guard (the
+    caller's recent peak, ``TierSet.device_rows``; ``None``: the sequences ``batches`` hold)."""
     full = tier_load or {}
     escalated = False
     session_changed: str | None = None
@@ -273,7 +275,8 @@ def decide(
             policy.routing.mode == "load_aware"
             and costs
             and _load_eligible(policy, rule, used_score)
-            and _device_rows(batches) >= policy.routing.load_aware.min_device_rows
+            and (_device_rows(batches) if device_rows is None else device_rows)
+            >= policy.routing.load_aware.min_device_rows
         ):
             picked, why = _load_aware(policy, tier, request.tenant, costs, full, batches or {})
             reason += why

@@ -228,13 +228,15 @@ class LoadAwareConfig:
     the request. The tiers take turns on one device, so a row added to a running batch costs a
     sliver of a step, while every row kept on a lower tier keeps that tier's whole step in each
     turn; pricing alone, one request at a time, keeps a batch that already split alive."""
-    min_device_rows: int = 8
+    min_device_rows: int = 4
     """Below this many sequences held on the device in all (every local tier's running, waiting
-    and just-decided ones), the rule's tier stands: at light load each tier's small batch is
-    cheap and drafts well (large at 1-4 rows: 1.6x with medium's drafts), and moving requests
-    up cost what the split saves - measured at 4 clients on the default policy, the split was
-    1.22x always-large and consolidating onto large 0.97x, while at 16 clients consolidating
-    was 0.84x and the split 0.66x (``benchmarks/routing_gain.py``). 0 applies load everywhere."""
+    and just-decided ones, now or as a recent peak that fades over ~20 s), the rule's tier
+    stands: at light load each tier's small batch is cheap and drafts well (large at 1-4 rows:
+    1.6x with medium's drafts), and moving requests up costs what the split saves. The recent
+    peak keeps a closed loop's waves consolidated: each wave's first arrivals see a nearly empty
+    device. 4 keeps 1-4 clients on the rules' split (``benchmarks/routing_gain.py``: at 16
+    clients, 8 cost 0.82x always-large and 4 0.92x, without the peak). 0 applies load
+    everywhere."""
 
 
 @dataclass(slots=True)

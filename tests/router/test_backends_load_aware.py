@@ -3,6 +3,7 @@ state, driving decide() in load-aware mode (fake engines: the step costs are giv
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from router.backends.local import LocalTier
-from router.backends.tierset import DECIDED_TTL_S, SHARE_EMA, TierSet
+from router.backends.tierset import DECIDED_TTL_S, LOAD_MEMORY_S, SHARE_EMA, TierSet
 from router.policy.decide import BUSY_JOIN, RouteRequest, TierBatch, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig
@@ -242,3 +243,24 @@ def test_a_burst_on_an_idle_device_consolidates_within_its_first_requests_and_on
         {"small": (2, 16), "large": (0, 16, 0.6)},
     )
     assert d.tier == "large" and "idle now but likely to run anyway (p 0.60)" in d.reason
+
+
+def test_the_device_load_is_the_rows_held_now_or_the_recent_peak_fading() -> None:
+    # Catches: the guard reading only the rows held now (each wave of a closed loop starts on a
+    # nearly empty device and would split it by the rules again), a peak that never fades (one
+    # client after a burst would be consolidated for ever), or one that fades at the wrong rate.
+    # Reference: max(held now, peak * exp(-age / LOAD_MEMORY_S)), written out here.
+    small, medium, large = FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE)
+    ts = tierset(small, medium, large)
+    assert ts.device_rows(ts.batches(now=0.0), now=0.0) == 0.0
+    small.scheduler.num_running, large.scheduler.num_running = 4, 11
+    assert ts.device_rows(ts.batches(now=1.0), now=1.0) == 15.0
+    small.scheduler.num_running, large.scheduler.num_running = 0, 2  # the wave drained
+    for age in (0.5, 10.0, 30.0):
+        expected = max(2.0, 15.0 * math.exp(-age / LOAD_MEMORY_S))
+        assert ts.device_rows(ts.batches(now=1.0 + age), now=1.0 + age) == pytest.approx(expected)
+    # A new peak replaces the faded one at once.
+    large.scheduler.num_running = 9
+    assert ts.device_rows(ts.batches(now=40.0), now=40.0) == 9.0
+    large.scheduler.num_running = 0
+    assert ts.device_rows(ts.batches(now=41.0), now=41.0) == pytest.approx(9.0 * math.exp(-1 / LOAD_MEMORY_S))

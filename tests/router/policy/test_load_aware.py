@@ -128,9 +128,10 @@ def joined(
     score: float = 0.1,
     policy=LOAD_AWARE,
     load=None,
+    device_rows=None,
     **kw,
 ):  # type: ignore[no-untyped-def]
-    return decide(policy, RouteRequest(**kw), Score(score), load, costs, batches)
+    return decide(policy, RouteRequest(**kw), Score(score), load, costs, batches, device_rows)
 
 
 PRICES = {"small": 1.0, "medium": 1.5, "large": 2.0}  # pricing alone keeps the floor
@@ -192,10 +193,19 @@ def test_below_min_device_rows_the_rules_tier_stands() -> None:
     assert (d.tier, d.rule) == ("small", "score-small") and "load-aware" not in d.reason
     d = joined(PRICES, {"small": (4, 16), "medium": (1, 16), "large": (3, 16)}, policy=policy)
     assert (d.tier, d.rule) == ("large", "load:score-small")
-    # Unset, the guard is the documented 8.
+    # The caller's recent peak (device_rows) replaces the rows held now, both ways: a wave's
+    # first arrival on a nearly empty device still joins large after a busy spell ...
+    light = {"small": (1, 16), "medium": (0, 16), "large": (1, 16)}
+    assert joined(PRICES, light, policy=policy).tier == "small"
+    d = joined(PRICES, light, policy=policy, device_rows=12.5)
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+    # ... and a faded peak below the guard keeps the floor even with the rows listed.
+    busy = {"small": (4, 16), "medium": (1, 16), "large": (3, 16)}
+    assert joined(PRICES, busy, policy=policy, device_rows=7.9).tier == "small"
+    # Unset, the guard is the documented 4.
     assert (
         parse_policy(
             "version: 1\ntiers: {small: {model: m}}\nrouting: {rules: [{name: d, tier: small}]}"
         ).routing.load_aware.min_device_rows
-        == 8
+        == 4
     )
