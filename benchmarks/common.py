@@ -78,6 +78,12 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
+def read_json(name: str) -> dict[str, Any]:
+    """The last results ``write_json`` wrote under ``name``."""
+    data: dict[str, Any] = json.loads((RESULTS / f"{name}.json").read_text())
+    return data
+
+
 def plot_path(name: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     return RESULTS / f"{name}.png"

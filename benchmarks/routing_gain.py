@@ -32,13 +32,14 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from benchmarks.common import machine, percentile, plot_path, serve, write_json
+from benchmarks.common import machine, percentile, plot_path, read_json, serve, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64
@@ -196,8 +197,15 @@ async def _warm_up(client: httpx.AsyncClient, tiers: list[str]) -> None:
 
 
 async def run(
-    policy: Path, loads: list[int], port: int, modes: tuple[str, ...] = MODES, reps: int = 1
+    policy: Path,
+    loads: list[int],
+    port: int,
+    modes: tuple[str, ...] = MODES,
+    reps: int = 1,
+    on_load: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Every load's phases; ``on_load`` gets the result so far after each load (a run cut
+    short keeps what it measured)."""
     tiers = list(yaml.safe_load(policy.read_text())["tiers"])
     with tempfile.TemporaryDirectory() as tmp:
         live = Path(tmp) / "policy.yaml"
@@ -236,6 +244,8 @@ async def run(
                             )
                             rows.append(res)
                         turn += 1
+                    if on_load is not None:
+                        on_load({"floors": dict(Counter(floors.values())), "rows": rows})
     return {"floors": dict(Counter(floors.values())), "rows": rows}
 
 
@@ -306,30 +316,39 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     ap.add_argument("--reps", type=int, default=3, help="rotations per load (medians of paired ratios)")
     ap.add_argument("--no-write", action="store_true", help="print only (diagnosis runs)")
+    ap.add_argument("--merge", action="store_true", help="keep the other loads' rows of the last results")
     args = ap.parse_args()
     loads = [int(x) for x in args.loads.split(",")]
     modes = tuple(m for m in args.modes.split(",") if m)
     if "large" not in modes or set(modes) - set(MODES):
         ap.error(f"--modes: a subset of {','.join(MODES)} that includes large (the baseline)")
-    result = asyncio.run(run(Path(args.policy), loads, args.port, modes, args.reps))
-    data = {
-        "machine": machine(),
-        "workload": {
-            "prompts": len(PROMPTS),
-            "open_questions": len(OPEN_QUESTIONS),
-            "word_problems": len(WORD_PROBLEMS),
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-        },
-        "reps": args.reps,
-        **result,
-        "vs_large": _summary(result["rows"]),
-    }
-    if args.no_write:
-        print(json.dumps(data["vs_large"], indent=1))
-        return
-    print(write_json("routing_gain", data))
-    _plot(result["rows"], plot_path("routing_gain"))
+    previous: list[dict[str, Any]] = []
+    if args.merge:  # a rerun of some loads replaces those and keeps the others' rows
+        previous = [r for r in read_json("routing_gain")["rows"] if r["clients"] not in loads]
+
+    def report(result: dict[str, Any]) -> dict[str, Any]:
+        rows = previous + result["rows"]
+        data = {
+            "machine": machine(),
+            "workload": {
+                "prompts": len(PROMPTS),
+                "open_questions": len(OPEN_QUESTIONS),
+                "word_problems": len(WORD_PROBLEMS),
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+            },
+            "reps": args.reps,
+            "floors": result["floors"],
+            "rows": rows,
+            "vs_large": _summary(rows),
+        }
+        if not args.no_write:
+            write_json("routing_gain", data)
+            _plot(rows, plot_path("routing_gain"))
+        return data
+
+    data = report(asyncio.run(run(Path(args.policy), loads, args.port, modes, args.reps, report)))
+    print(json.dumps(data["vs_large"], indent=1))
 
 
 if __name__ == "__main__":

@@ -107,9 +107,13 @@ class TierSet:
         """Per local tier, its ``TierBatch``: sequences it holds (running, waiting, just
         submitted, and decided but not yet submitted: ``decided``) against ``max_num_seqs`` -
         what load-aware routing joins while there is room - and, for an idle tier, how likely it
-        runs anyway: the chance that at least one of the other requests held on the device right
-        now would have gone there, at its recent share of decisions. One client alone holds
-        nothing else, so an idle tier stays idle to it; a burst's requests see each other."""
+        runs anyway: the chance that at least one of the other requests on the device would go
+        there, at its recent share of decisions. The others are those held now or, when higher,
+        the device's recent peak (``device_rows``): the first request of a closed loop's next
+        wave finds the device empty, and routed to an idle small tier it kept small's step in
+        every turn of the wave (measured: one such request cost 5-8 % at 16 clients). One
+        client alone holds nothing else, so once a busy spell has faded an idle tier stays idle
+        to it; a burst's requests see each other."""
         now = time.monotonic() if now is None else now
         held: dict[str, tuple[int, int]] = {}
         for name, b in self.tiers.items():
@@ -117,28 +121,31 @@ class TierSet:
                 load = b.engine.load(predicted=False)
                 n = load.num_running + load.num_waiting + self._pending(name, load.submitted, now)
                 held[name] = (n, load.max_num_seqs)
-        total = sum(n for n, _ in held.values())
+        rows = self._observe_rows(sum(n for n, _ in held.values()), now)
         out = {}
         for name, (n, slots) in held.items():
             share = self._share.get(name, 1.0 / len(held))
-            out[name] = TierBatch(n, slots, 1.0 if n else round(1.0 - (1.0 - share) ** (total - n), 3))
+            out[name] = TierBatch(n, slots, 1.0 if n else round(1.0 - (1.0 - share) ** (rows - n), 3))
         return out
 
     def device_rows(self, batches: Mapping[str, TierBatch], now: float | None = None) -> float:
         """The device's load as load-aware routing's guard (``min_device_rows``) reads it: the
-        sequences held now (the sum of ``batches``), or the recent peak fading with time
-        constant ``LOAD_MEMORY_S`` when that is higher. A closed loop of N clients refills the
-        batches as fast as they drain, and its requests arrive in waves: each wave's first
-        decisions see an almost empty device, and routing them by the rules split the device
-        between tiers for their whole answers (measured at 16 clients: 4 of 36 requests on
-        small for 64 tokens each cost 8 % of the wall time against always-large)."""
+        sequences ``batches`` hold, or the recent peak fading with time constant
+        ``LOAD_MEMORY_S`` when that is higher. A closed loop of N clients refills the batches as
+        fast as they drain, and its requests arrive in waves: each wave's first decisions see an
+        almost empty device, and routing them by the rules split the device between tiers for
+        their whole answers (measured at 16 clients: 4 of 36 requests on small for 64 tokens
+        each cost 8 % of the wall time against always-large)."""
+        return self._observe_rows(sum(b.held for b in batches.values()), now)
+
+    def _observe_rows(self, rows: int, now: float | None) -> float:
+        """``max(rows, faded peak)``; ``rows`` at or above it becomes the new peak."""
         now = time.monotonic() if now is None else now
-        rows = float(sum(b.held for b in batches.values()))
         peak, seen = self._peak
         faded = peak * math.exp(-max(0.0, now - seen) / LOAD_MEMORY_S)
         if rows >= faded:
-            self._peak = (rows, now)
-            return rows
+            self._peak = (float(rows), now)
+            return float(rows)
         return faded
 
     def decided(self, tier: str, now: float | None = None) -> None:

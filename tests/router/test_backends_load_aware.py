@@ -264,3 +264,33 @@ def test_the_device_load_is_the_rows_held_now_or_the_recent_peak_fading() -> Non
     assert ts.device_rows(ts.batches(now=40.0), now=40.0) == 9.0
     large.scheduler.num_running = 0
     assert ts.device_rows(ts.batches(now=41.0), now=41.0) == pytest.approx(9.0 * math.exp(-1 / LOAD_MEMORY_S))
+
+
+def test_after_a_busy_spell_the_next_waves_first_request_joins_the_likely_tier() -> None:
+    # Catches: the busy estimate counting only the requests held now. The first request of a
+    # closed loop's next wave finds the device empty; routed to idle small it keeps small's step
+    # in every turn of the wave. Reference: busy = 1 - (1 - share) ** (peak faded - held), with the
+    # peak and shares written out here; once the peak has faded, one client is routed by price.
+    small, medium, large = FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE)
+    ts = tierset(small, medium, large)
+    share = {"small": 1 / 3, "medium": 1 / 3, "large": 1 / 3}
+    for i, tier in enumerate(["large", "small"] * 6):
+        ts.decided(tier, now=float(i))
+        share = {t: v + SHARE_EMA * (float(t == tier) - v) for t, v in share.items()}
+    small.scheduler.num_running, large.scheduler.num_running = 5, 7
+    ts.batches(now=20.0)  # the wave: 12 rows
+    small.scheduler.num_running = large.scheduler.num_running = 0
+    for age, joins in ((2.0, True), (200.0, False)):
+        got = ts.batches(now=20.0 + age)
+        rows = max(0.0, 12 * math.exp(-age / LOAD_MEMORY_S))
+        assert got["large"].busy == pytest.approx(1 - (1 - share["large"]) ** rows, abs=1e-3)
+        d = decide(
+            POLICY,
+            RouteRequest(),
+            Score(0.1),
+            {},
+            {"small": 1.0, "medium": 1.5, "large": 2.0},
+            got,
+            ts.device_rows(got, now=20.0 + age),
+        )
+        assert d.tier == ("large" if joins else "small"), (age, d.reason)
