@@ -9,7 +9,7 @@ Order of evaluation:
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
    Load (``routing.mode: load_aware``, once the device holds ``min_device_rows`` sequences in
    all, now or recently; below that the rule's tier stands): the rule's tier is a floor; among
-   it and the tiers above (the tenant's, not full), the highest whose running batch has a free
+   it and the tiers above (the tenant's, not full, with a free batch slot), the highest whose running batch has a free
    slot (``batches``: the request joins work the device does anyway, and the tiers below drain
    instead of taking turns with it) - an idle tier counts as running when it is likely to run
    anyway (``TierBatch.busy`` of at least ``BUSY_JOIN``); when none has, the one whose ``costs``
@@ -189,10 +189,16 @@ def _load_aware(
 ) -> tuple[str, str]:
     """The acceptable tier at or above ``tier`` that the load picks, and the reason's words."""
     order = policy.tier_names
+    # Above the floor only tiers with a free batch slot: a request moved up into a tier's queue
+    # takes the place of one whose score allows nothing lower (at 48 clients, large-scored
+    # requests were refused until their clients gave up).
     candidates = [
         t
         for t in order[order.index(tier) :]
-        if t in costs and not full.get(t, False) and not _cap(policy, t, tenant)[1]
+        if t in costs
+        and not full.get(t, False)
+        and not _cap(policy, t, tenant)[1]
+        and (t == tier or t not in batches or TierBatch(*batches[t]).held < TierBatch(*batches[t]).slots)
     ]
     if not candidates or candidates == [tier]:
         return tier, ""  # nothing to choose: a full floor falls back along routing.fallback

@@ -154,6 +154,23 @@ def test_a_batch_without_a_free_slot_is_not_joined() -> None:
     assert (d.tier, d.rule) == ("medium", "load:score-small")
 
 
+def test_a_tier_above_the_floor_without_a_free_slot_is_no_candidate_even_when_priced_cheapest() -> None:
+    # Catches: load moving a request into the queue of a tier whose batch is full, where it takes
+    # the place of a request whose score allows nothing lower (routing_gain at 48 clients:
+    # large-scored requests were refused until 2-3 of 72 clients gave up). The floor itself stays
+    # a candidate however full, and a tier with no batch listed (remote) is priced as before.
+    cheap_large = {"small": 2.0, "medium": 3.0, "large": 1.0}
+    d = joined(cheap_large, {"small": (0, 16), "medium": (0, 16), "large": (16, 16)})
+    assert (d.tier, d.rule) == ("small", "score-small")
+    assert "load-aware (small 2s, medium 3s): 'small'" in d.reason  # large was not priced
+    d = joined(cheap_large, {"small": (0, 16), "medium": (0, 16), "large": (15, 16)})
+    assert (d.tier, d.rule) == ("large", "load:score-small")
+    d = joined(cheap_large, {"small": (16, 16), "medium": (16, 16), "large": (16, 16)})
+    assert d.tier == "small"  # the floor, full as it is
+    d = joined(cheap_large, {"small": (0, 16), "medium": (0, 16)})
+    assert d.tier == "large"
+
+
 def test_a_running_batch_below_the_floor_or_outside_the_tenants_tiers_is_not_joined() -> None:
     # Medium-scored: small's running batch is no candidate, so the prices pick among medium/large.
     d = joined(PRICES, {"small": (5, 16)}, score=0.5)
