@@ -9,13 +9,13 @@ Order of evaluation:
 3. Escalation: a score-based pick with low classifier confidence moves one tier up.
    Load (``routing.mode: load_aware``, once the device holds ``min_device_rows`` sequences in
    all, now or recently; below that the rule's tier stands): the rule's tier is a floor; among
-   it and the tiers above (the tenant's, not full, with a free batch slot), the highest whose running batch has a free
-   slot (``batches``: the request joins work the device does anyway, and the tiers below drain
-   instead of taking turns with it) - an idle tier counts as running when it is likely to run
-   anyway (``TierBatch.busy`` of at least ``BUSY_JOIN``); when none has, the one whose ``costs``
-   (the request's predicted completion plus the delay it adds to others on the shared device,
-   ``tiers/pacing.py``) are lowest - a higher one while within ``up_tolerance`` of the lowest.
-   The rule becomes ``load:<rule>`` when it moved.
+   it and the tiers above with a free batch slot (the tenant's, not full), the highest whose
+   batch is running (``batches``: the request joins work the device does anyway, and the tiers
+   below drain instead of taking turns with it) - an idle tier counts as running when it is
+   likely to run anyway (``TierBatch.busy`` of at least ``BUSY_JOIN``); when none is, the one
+   whose ``costs`` (the request's predicted completion plus the delay it adds to others on the
+   shared device, ``tiers/pacing.py``) are lowest - a higher one while within ``up_tolerance``
+   of the lowest. The rule becomes ``load:<rule>`` when it moved.
 4. Session: a follow-up of a conversation that had a tier (``session``, see router/pipeline/session.py)
    never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.
 5. Tenant cap: a tier the tenant may not use becomes the highest allowed tier below it.
