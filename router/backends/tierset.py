@@ -36,7 +36,7 @@ __all__ = ["TierSet", "build_tiers"]
 log = logging.getLogger(__name__)
 
 SHARE_EMA = 0.1
-"""Weight of each load-aware decision in a tier's moving share of them (``TierSet.batches``)."""
+"""Weight of each routing decision in a tier's moving share of them (``TierSet.batches``)."""
 DECIDED_TTL_S = 2.0
 """How long a load-aware decision counts toward its tier's batch before its request reaches the
 engine: preparing a request (tokenization, cache lookup, grammar) takes milliseconds to a second."""
@@ -59,7 +59,7 @@ class TierSet:
     see the batch the earlier ones are about to join."""
     _landed: dict[str, int] = field(default_factory=dict)
     _share: dict[str, float] = field(default_factory=dict)
-    """Per local tier, a moving average of the share of load-aware decisions that went there."""
+    """Per local tier, a moving average of the share of routing decisions that went there."""
     _peak: tuple[float, float] = (0.0, 0.0)
     """The device's recent peak of held sequences and when it was seen (``device_rows``)."""
     token_bytes: int | None = None
@@ -149,7 +149,8 @@ class TierSet:
         return faded
 
     def decided(self, tier: str, now: float | None = None) -> None:
-        """A request was routed to ``tier`` and will be submitted shortly (load-aware mode)."""
+        """A request was routed to ``tier`` and will be submitted shortly (every mode: the shares and
+        the batches load-aware routing reads are those of the traffic, whichever mode routed it)."""
         b = self.tiers.get(tier)
         if isinstance(b, LocalTier):
             now = time.monotonic() if now is None else now
