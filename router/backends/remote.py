@@ -45,7 +45,13 @@ class RemoteBackend:
         return None  # the upstream queues on its own device
 
     async def prepare(self, gen: Generation, prompt_tokens: int, *, grammar_timeout_s: float) -> Prepared:
-        served = Served(system_fingerprint(self.name, self.key) if gen.output is not None else None)
+        # The upstream honours best_of itself and returns the n winners: nothing to rank here
+        # (and the ranking would need token logprobs it does not send).
+        served = (
+            Served(system_fingerprint(self.name, self.key), choices=gen.output.n)
+            if gen.output is not None
+            else Served()
+        )
         return Prepared(self._forwarded(gen), prompt_tokens, served)
 
     def submit(self, gen: Generation, prepared: Prepared) -> list[AsyncIterator[StepOutput]]:
@@ -61,11 +67,7 @@ class RemoteBackend:
         await self.client.aclose()
 
     def _forwarded(self, gen: Generation) -> Any:
-        """The upstream's request body (and the choices the answer holds: the upstream's)."""
-        if gen.output is not None:
-            # The upstream honours best_of itself and returns the n winners: nothing to rank here
-            # (and the ranking would need token logprobs it does not send).
-            gen.output.best_of = gen.output.n
+        """The upstream's request body."""
         # Every field is forwarded as the client sent it (tools, response_format, logprobs, n...):
         # the upstream honours them, and its tool-call deltas and logprobs come back unchanged.
         return upstream_body(gen.request)

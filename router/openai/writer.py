@@ -80,6 +80,9 @@ class Served:
     """The tier's serving configuration (OpenAI's ``system_fingerprint``)."""
     token_texts: TokenTexts | None = None
     """The local tier's token texts, for logprobs; None for remote tiers, which send theirs."""
+    choices: int | None = None
+    """Choices the backend returns, where it settles ``best_of`` itself (a remote upstream ranks
+    its candidates and sends the ``n`` winners); None: ``max(n, best_of)``, ranked here."""
 
 
 NOTHING_SERVED = Served()
@@ -225,10 +228,8 @@ class ResponseWriter:
 
     def _choices(self, gen: Generation, served: Served) -> list[ChoiceBuilder]:
         spec = gen.output if gen.output is not None else OutputSpec()
-        return [
-            ChoiceBuilder(i, gen.kind, spec, served.token_texts, gen.prompt or "")
-            for i in range(max(spec.n, spec.best_of))
-        ]
+        count = served.choices if served.choices is not None else max(spec.n, spec.best_of)
+        return [ChoiceBuilder(i, gen.kind, spec, served.token_texts, gen.prompt or "") for i in range(count)]
 
     def _envelope(
         self, gen: Generation, served: Served, cid: str, created: int, model: str, *, stream: bool
@@ -425,8 +426,8 @@ def _best(gen: Generation, choices: list[ChoiceBuilder]) -> list[ChoiceBuilder]:
     """Completions ``best_of``: the ``n`` choices with the highest mean token logprob, in their
     original order; otherwise every choice."""
     spec = gen.output
-    if spec is None or spec.best_of <= spec.n:
-        return choices
+    if spec is None or len(choices) <= spec.n:
+        return choices  # nothing to rank (or the backend ranked: ``Served.choices``)
     if any(not c.entries for c in choices):
         raise RouterError(
             "best_of needs token logprobs, which this tier did not report.", code="generation_error"

@@ -426,7 +426,7 @@ class RouterService:
         )
         # Counted against the caller's share of the tier until the answer ends (pipeline.admission).
         spec = gen.output
-        weight = max(spec.n, spec.best_of) if spec is not None else 1
+        weight = served.choices or (max(spec.n, spec.best_of) if spec is not None else 1)
         source[0] = self.fair.hold(d.tier, ctx.principal, source[0], weight)
         if policy.shadow.preempt:
             self.shadow.preempt()  # real traffic first: running shadow answers give way

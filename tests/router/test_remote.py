@@ -346,3 +346,25 @@ def test_an_open_circuit_without_fallback_is_a_503_at_once(guarded: Server, flak
     assert r.status_code == 503 and r.json()["error"]["code"] == "tier_unavailable"
     assert 1 <= int(r.headers["retry-after"]) <= 30 and time.monotonic() - started < 0.5
     flaky.mode = "ok"
+
+
+def test_a_remote_tier_settles_best_of_without_rewriting_the_request() -> None:
+    """Bug it guards: the remote backend wrote ``best_of = n`` into the parsed request's output
+    spec so the writer would skip ranking; the typed request is read by every later stage (the
+    token rate limit, fair-share weights, the shadow copy) and must stay what the caller asked.
+    Now the backend says how many choices it returns (``Served.choices``) and the spec is untouched."""
+    import asyncio
+
+    from router.backends.remote import RemoteBackend
+    from router.openai.request import parse_completion
+    from router.openai.schemas import CompletionRequest
+    from router.policy.schema import LimitsConfig, TierConfig
+
+    gen = parse_completion(
+        CompletionRequest(model="large", prompt="hi", n=1, best_of=3, max_tokens=4), LimitsConfig()
+    )
+    backend = RemoteBackend("large", TierConfig(model="http://upstream.invalid/v1"), client=None)  # type: ignore[arg-type]
+    prepared = asyncio.run(backend.prepare(gen, 2, grammar_timeout_s=1.0))
+    assert gen.output is not None and (gen.output.n, gen.output.best_of) == (1, 3)
+    assert prepared.served.choices == 1
+    assert prepared.payload["best_of"] == 3  # the upstream is asked for all three
