@@ -137,11 +137,12 @@ class RouterService:
         model: str,
         messages: list[dict[str, str]] | None,
         prompt: str | None,
-        request: ChatCompletionRequest | CompletionRequest | None = None,
+        gen: Generation | None = None,
         prompt_tokens: int | None = None,
     ) -> Routed:
-        """Classify and decide; ``prompt_tokens`` when the caller has already counted them (off the
-        event loop: ``_count_tokens_off_loop``)."""
+        """Classify and decide; ``gen``: the parsed request (None for ``/v1/route``, which only
+        asks); ``prompt_tokens`` when the caller has already counted them (off the event loop:
+        ``_count_tokens_off_loop``)."""
         policy = self.policy  # one snapshot for the whole request (hot reload swaps the attribute)
         with self.telemetry.span("classify", parent=ctx.span) as span:
             started = time.perf_counter()
@@ -168,7 +169,7 @@ class RouterService:
                 ctx.principal,
                 ctx.tenant,
                 prompt_tokens,
-                max_tokens=_collected_max_tokens(request),
+                max_tokens=_collected_max_tokens(gen),
             )
             pressures = admission.pressures
             sessions = self.sessions(policy)
@@ -178,13 +179,13 @@ class RouterService:
                 headers=ctx.headers,
                 tenant=ctx.tenant,
                 prompt_tokens=prompt_tokens,
-                **_request_signals(messages, prompt, request),
+                **_request_signals(messages, prompt, gen),
                 session=prior,
             )
             costs = (
                 self.tiers.routing_costs(
                     {name: p.wait_s for name, p in pressures.items()},
-                    _expected_output(policy, request),
+                    _expected_output(policy, gen),
                     prompt_tokens,
                 )
                 if policy.routing.mode == "load_aware" and self.tiers is not None
@@ -209,7 +210,7 @@ class RouterService:
                 span.set_attribute("router.batches", json.dumps(batches))
                 if device_rows is not None:
                     span.set_attribute("router.device_rows", round(device_rows, 2))
-            if batches and self.tiers is not None and request is not None and not decision.rejected:
+            if batches and self.tiers is not None and gen is not None and not decision.rejected:
                 self.tiers.decided(decision.tier)  # /v1/route (no request) submits nothing
             span.set_attribute("router.tier", decision.tier)
             span.set_attribute("router.rule", decision.rule)
@@ -364,10 +365,7 @@ class RouterService:
             return
         spec = gen.output
         choices = max(spec.n, spec.best_of) if spec is not None else 1
-        asked = _collected_max_tokens(gen.request) if not gen.stream else None
-        if asked is None:
-            req = gen.request
-            asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
+        asked = gen.sampling.max_tokens or default_max
         cost = prompt_tokens + choices * asked
         wait = self.limiter.check("tokens\x00" + ctx.principal, tpm, cost)
         if wait is not None:
@@ -385,7 +383,7 @@ class RouterService:
         req = gen.request
         self._refuse_unfittable(gen.messages, gen.prompt)
         tokens = await self._count_tokens_off_loop(self.policy, gen.messages, gen.prompt)
-        routed = self.route(ctx, req.model, gen.messages, gen.prompt, request=req, prompt_tokens=tokens)
+        routed = self.route(ctx, req.model, gen.messages, gen.prompt, gen, prompt_tokens=tokens)
         d = routed.decision
         policy = routed.policy
         sessions = self.sessions(policy)
@@ -538,14 +536,16 @@ class RouterService:
         )
         req = gen.request
         limit = cfg.max_tokens
-        changes: dict[str, Any] = {"stream": False, "stream_options": None, "n": 1}
+        changes: dict[str, Any] = {
+            "stream": False,
+            "stream_options": None,
+            "n": 1,
+            "max_tokens": min(limit, gen.sampling.max_tokens or limit),
+        }
         if isinstance(req, CompletionRequest):
             changes["best_of"] = None
-        if isinstance(req, ChatCompletionRequest):
-            asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            changes.update(max_tokens=min(limit, asked or limit), max_completion_tokens=None)
         else:
-            changes.update(max_tokens=min(limit, req.max_tokens or limit))
+            changes["max_completion_tokens"] = None
         shadow_gen = dataclasses.replace(
             gen,
             request=msgspec.structs.replace(req, model=tier, **changes),
@@ -587,22 +587,14 @@ class RouterService:
             return False
 
 
-def _collected_max_tokens(request: ChatCompletionRequest | CompletionRequest | None) -> int | None:
+def _collected_max_tokens(gen: Generation | None) -> int | None:
     """The output tokens a non-streaming request asks for (None for a stream, or when unknown):
     what admission checks against the client's deadline."""
-    if request is None or request.stream:
-        return None
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        return request.max_completion_tokens
-    if request.max_tokens is not None:
-        return request.max_tokens
-    return 16 if isinstance(request, CompletionRequest) else None  # OpenAI's completions default
+    return None if gen is None or gen.stream else gen.sampling.max_tokens
 
 
 def _request_signals(
-    messages: list[dict[str, str]] | None,
-    prompt: str | None,
-    request: ChatCompletionRequest | CompletionRequest | None,
+    messages: list[dict[str, str]] | None, prompt: str | None, gen: Generation | None
 ) -> dict[str, Any]:
     """The request-shape fields of ``RouteRequest`` (policy conditions ``has_tools``, ``keywords``...)."""
     if messages is not None:
@@ -611,20 +603,15 @@ def _request_signals(
     else:
         text, turns = prompt or "", 1
     signals: dict[str, Any] = {"text": text, "turns": turns}
-    if isinstance(request, ChatCompletionRequest):
-        fmt = request.response_format
-        signals["has_tools"] = bool(request.tools)
-        signals["response_format"] = fmt.type if fmt is not None and fmt.type else "text"
-        signals["logprobs"] = bool(request.logprobs)
-    elif isinstance(request, CompletionRequest):
-        signals["logprobs"] = request.logprobs is not None
+    if gen is not None and gen.output is not None:
+        signals["has_tools"] = gen.output.has_tools
+        signals["response_format"] = gen.output.response_format
+        signals["logprobs"] = gen.output.logprobs is not None
     return signals
 
 
-def _expected_output(
-    policy: Policy, request: ChatCompletionRequest | CompletionRequest | None
-) -> dict[str, int]:
+def _expected_output(policy: Policy, gen: Generation | None) -> dict[str, int]:
     """Output tokens a request is priced at on each tier (load-aware routing): what it asks for,
     else the tier's default ``max_tokens``."""
-    asked = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
+    asked = gen.sampling.max_tokens if gen is not None else None
     return {name: asked or cfg.defaults.max_tokens for name, cfg in policy.tiers.items()}
