@@ -275,26 +275,32 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _median_rows(rows: list[dict[str, Any]], mode: str, key: str) -> dict[int, float]:
-    loads = sorted({r["clients"] for r in rows})
-    return {
-        c: statistics.median(r[key] for r in rows if r["clients"] == c and r["mode"] == mode) for c in loads
-    }
-
-
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Speed-up over always-large per load (the median of the paired ratios, bars: their range):
+    absolute times would mix the machine's drift between repetitions into the comparison."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = sorted({r["clients"] for r in rows})
+    summary = _summary(rows)
+    loads = sorted(int(c) for c in summary)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in sorted({r["mode"] for r in rows}):
-        wall, latency = _median_rows(rows, mode, "wall_s"), _median_rows(rows, mode, "mean_latency_s")
-        axes[0].plot(loads, [wall[c] for c in loads], marker="o", label=mode)
-        axes[1].plot(loads, [latency[c] for c in loads], marker="o", label=mode)
-    for ax, title in zip(axes, ("wall time (s)", "mean latency (s)"), strict=True):
+    for mode in ("load_aware", "static", "small"):
+        got = [summary[str(c)].get(mode) for c in loads]
+        xs = [c for c, g in zip(loads, got, strict=True) if g is not None]
+        ys = [g for g in got if g is not None]
+        if not ys:
+            continue
+        low = [g["wall_vs_large"] - g["wall_vs_large_range"][0] for g in ys]
+        high = [g["wall_vs_large_range"][1] - g["wall_vs_large"] for g in ys]
+        axes[0].errorbar(
+            xs, [g["wall_vs_large"] for g in ys], yerr=[low, high], marker="o", capsize=3, label=mode
+        )
+        axes[1].plot(xs, [g["mean_latency_vs_large"] for g in ys], marker="o", label=mode)
+    titles = ("wall time: speed-up over always-large", "mean latency: speed-up over always-large")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.axhline(1.0, color="grey", lw=1, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xticks(loads, [str(c) for c in loads])
         ax.set_xlabel("clients")
@@ -302,7 +308,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(
-        f"routing_gain: {len(PROMPTS)} prompts x {MAX_TOKENS} tokens, greedy, medians (lower is better)"
+        f"routing_gain: {len(PROMPTS)} prompts x {MAX_TOKENS} tokens, greedy; "
+        "median of paired ratios (higher is better)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
