@@ -4,20 +4,23 @@
 The workload is bundled below: 24 open questions and 12 maths word problems, 64 tokens each,
 greedy, ``Cache-Control: no-cache`` (every request generates). A closed loop of N clients sends
 the prompts (the list twice at 48 clients, so every client has work); at each load the four
-modes run back to back in a rotating order so a drift in the machine's speed does not favour one.
+modes run back to back, ``--reps`` times (3), each time in a rotated order, and every figure is
+the median over repetitions of the ratio to always-large measured in the same repetition: this
+VM's speed drifts by up to 2x within minutes, and paired ratios cancel most of it.
 The two ``auto`` modes are the default policy with ``routing.mode`` set to ``static`` or
 ``load_aware``: the server hot-reloads the file between phases (routing only: the engines stay).
 Before the first measured phase every tier serves the prompts once at 1 and at 16 clients
 (unmeasured): the speculation controller and the pacing model learn their step costs online, and
 a cold first phase was 20-30 % slower than the same phase later, whichever mode it was.
 
-Clients behave like the OpenAI SDKs: a 429/503 is retried after its Retry-After, twice. Reported
+Clients retry a 429/503 after its Retry-After (capped at 5 s), up to ten times. Reported
 per load and mode: wall time, mean and p90 latency (retries included), completion tokens per
 second, requests answered and goodput (answered per second), retries, the share of requests per
 tier, and the quality proxy the policy implies - the share of prompts served below the tier their
 score asks for (the static rules' tier, from ``/v1/route``).
 
-    python -m benchmarks.routing_gain [--loads 1,4,16,48] [--policy policies/default.yaml]
+    python -m benchmarks.routing_gain [--loads 1,4,16,48] [--reps 3] [--modes static,load_aware,small,large]
+                                      [--merge] [--no-write] [--policy policies/default.yaml]
 
 Writes benchmarks/results/routing_gain.json and routing_gain.png.
 """
