@@ -46,7 +46,7 @@ from benchmarks.common import machine, percentile, plot_path, read_json, serve, 
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64
-# A refused request (429/503) is retried as the OpenAI SDKs do: after Retry-After (capped), twice.
+# A refused request (429/503) is retried after its Retry-After (capped), up to RETRIES times.
 RETRIES = 10
 RETRY_WAIT_CAP_S = 5.0
 NO_CACHE = {"cache-control": "no-cache"}
