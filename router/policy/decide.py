@@ -189,6 +189,7 @@ def _load_aware(
 ) -> tuple[str, str]:
     """The acceptable tier at or above ``tier`` that the load picks, and the reason's words."""
     order = policy.tier_names
+    held = {t: TierBatch(*b) for t, b in batches.items()}
     # Above the floor only tiers with a free batch slot: a request moved up into a tier's queue
     # takes the place of one whose score allows nothing lower (at 48 clients, large-scored
     # requests were refused until their clients gave up).
@@ -198,12 +199,12 @@ def _load_aware(
         if t in costs
         and not full.get(t, False)
         and not _cap(policy, t, tenant)[1]
-        and (t == tier or t not in batches or TierBatch(*batches[t]).held < TierBatch(*batches[t]).slots)
+        and (t == tier or t not in held or held[t].held < held[t].slots)
     ]
     if not candidates or candidates == [tier]:
         return tier, ""  # nothing to choose: a full floor falls back along routing.fallback
     if policy.routing.load_aware.join_running:
-        room = [(t, TierBatch(*batches[t])) for t in candidates if t in batches]
+        room = [(t, held[t]) for t in candidates if t in held]
         running = [(t, b) for t, b in room if b.held < b.slots and (b.held > 0 or b.busy >= BUSY_JOIN)]
         if running:
             pick, b = running[-1]
