@@ -11,7 +11,9 @@ replaces only on the fast path's short-query groups) and ``tiered_router::rope_k
 (rope_kv.cpp: q/k rotary embedding plus the layer's K/V write, bitwise the torch ops),
 ``tiered_router::f32_linear`` (f32_gemv.cpp: the fp32 tier's one- and two-row projections) and
 ``tiered_router::w4a8_mm`` (w4a8_mm.cpp: int4 weights times per-group int8 activations, integer dot
-products; bitwise ``tiers.quant.w4a8_reference``, for tiers with ``activation_quantization: int8``).
+products; bitwise ``tiers.quant.w4a8_reference``, for tiers with ``activation_quantization: int8``)
+and ``tiered_router::w8_linear`` (w8_linear.cpp: int8 weights times bf16 activations, the int8
+layers' and int8 output heads' projections at every row count).
 ``make install`` compiles them
 into one shared object with the system C++ compiler against the installed torch (``python -m
 tiers.cpu_kernels``); its name carries a hash of every source, torch's version and the flags, so a
@@ -46,6 +48,7 @@ __all__ = [
     "paged_attention_op",
     "rope_kv_write_op",
     "w4a8_mm_op",
+    "w8_linear_op",
 ]
 
 log = logging.getLogger(__name__)
@@ -199,6 +202,14 @@ def w4a8_mm_op() -> Any | None:
     (w4a8_mm.cpp; bitwise ``tiers.quant.w4a8_reference``), when built and applicable here, else
     ``None``."""
     return torch.ops.tiered_router.w4a8_mm if _library_loaded() else None
+
+
+def w8_linear_op() -> Any | None:
+    """``torch.ops.tiered_router.w8_linear(x, weight, scale) -> (x @ weight.T) * scale``: int8
+    ``[out, in]`` weights with one scale per output channel times 2-D bf16 activations, fp32 sums
+    rounded to bf16 - ``torch._weight_int8pack_mm``'s numerics up to the order of the sums, and
+    batch-invariant (w8_linear.cpp) - when built and applicable here, else ``None``."""
+    return torch.ops.tiered_router.w8_linear if _library_loaded() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -422,7 +422,16 @@ def w4a8_case(n: int, k: int, group: int, m: int, seed: int = 0) -> tuple[torch.
 # medium tier's (32) and 128.
 @pytest.mark.parametrize(
     ("n", "k", "group"),
-    [(960, 576, 64), (576, 576, 32), (3072, 576, 64), (576, 1536, 32), (128, 256, 128), (49152, 576, 64)],
+    [
+        (960, 576, 64),
+        (576, 576, 32),
+        (3072, 576, 64),
+        (576, 1536, 32),
+        (128, 256, 128),
+        (49152, 576, 64),
+        (64, 96, 16),
+        (96, 192, 48),
+    ],
 )
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni-if-any", "maddubs"])
 def test_w4a8_kernel_is_bitwise_the_torch_reference_at_every_row_count(
@@ -441,6 +450,21 @@ def test_w4a8_kernel_is_bitwise_the_torch_reference_at_every_row_count(
         got = w4a8(x, quant.pack_w4a8(q), group, sz)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"m={m}"
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_w4a8_one_row_sums_at_the_16_bit_bound_exactly(w4a8: Any, group: int) -> None:
+    """The one-row path adds the u8 x s8 pair sums of 8 k-quads in 16 bits: every weight 15 against
+    activations all quantized to -127 puts each 16-bit lane at -30480, the most it may hold. Catches
+    a chunk of more quads (it wraps past -32768) and a saturating add that would clip it."""
+    n, k = 64, 2 * group
+    q = torch.full((n, k), 15)
+    sz = torch.stack([torch.full((k // group, n), 0.01), torch.zeros(k // group, n)], -1).to(torch.bfloat16)
+    x = torch.full((1, k), -3.0).to(torch.bfloat16)
+    x[0, group:] = 2.5
+    ref = quant.w4a8_reference(x, q, group, sz)
+    got = w4a8(x, quant.pack_w4a8(q), group, sz)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
 def test_w4a8_kernel_refuses_what_it_would_misread_with_the_reason(w4a8: Any) -> None:
@@ -472,6 +496,91 @@ def test_w4a8_layers_run_the_kernel_and_equal_the_torch_path(
         assert not plain._w4a8_packed and plain.weight_q.shape == (192, 256)
         assert "tiered_router::w4a8_mm" not in _profiled_keys(lambda: plain(x))
         assert torch.equal(plain(x).view(torch.int16), got.view(torch.int16))
+
+
+@pytest.fixture(scope="module")
+def w8_linear() -> Any:
+    got = cpu_kernels.w8_linear_op()
+    assert got is not None, f"kernels not built at {cpu_kernels.library_path()}: run `make kernels`"
+    return got
+
+
+def w8_case(n: int, k: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    return x, q, scale
+
+
+# SmolLM2-135M's output head and fused shapes; inputs that leave a tail of a vector on either lane
+# count (37, 100) and outputs that leave a group of 3 or 4 channels unfilled (577, 13, 7).
+W8_SHAPES = [(49152, 576), (960, 576), (576, 1536), (577, 100), (13, 37), (7, 8)]
+
+
+@pytest.mark.parametrize(("n", "k"), W8_SHAPES)
+def test_w8_linear_matches_an_fp64_reference(w8_linear: Any, threads: int, n: int, k: int) -> None:
+    """Catches a weight row paired with the wrong output or scale, a K tail dropped or read past
+    the row, outputs left unwritten after the last whole group, rows lost at the pass tails (1-17
+    rows cross every pass size on both builds), and a thread split that skips or repeats groups."""
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17) if n < 10000 else (1, 5):
+        x, q, scale = w8_case(n, k, m, seed=n + k + m)
+        ref = (x.double() @ q.double().T) * scale.double()
+        got = w8_linear(x, q, scale)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        # one bf16 rounding of the result (2^-9 relative) plus fp32 noise of a k-term sum, far below
+        # one wrong product (~|x| * 64 * scale)
+        noise = 1e-6 * (x.double().abs() @ q.double().abs().T) * scale.double()
+        bound = ref.abs() * 2.0**-8 + noise
+        assert ((got.double() - ref).abs() <= bound).all(), (m, n, k)
+
+
+def test_w8_linear_is_batch_and_thread_invariant(w8_linear: Any) -> None:
+    """A row's output does not depend on how many rows came with it, where it sat, or how many
+    threads ran: what keeps greedy answers of the int8-head tier independent of other traffic.
+    Catches a pass size or group width that changes a row's accumulation."""
+    x, q, scale = w8_case(577, 100, 17)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([w8_linear(x[i : i + 1], q, scale) for i in range(17)])
+        torch.set_num_threads(2)
+        for m in range(1, 18):
+            assert torch.equal(w8_linear(x[:m], q, scale).view(torch.int16), alone[:m].view(torch.int16)), m
+        assert torch.equal(w8_linear(x.flip(0), q, scale).view(torch.int16), alone.flip(0).view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_w8_linear_refuses_what_it_would_misread_with_the_reason(w8_linear: Any) -> None:
+    x, q, scale = w8_case(8, 16, 2)
+    with pytest.raises(RuntimeError, match="x must be 2-D bf16"):
+        w8_linear(x.float(), q, scale)
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        w8_linear(x, q.to(torch.uint8), scale)
+    with pytest.raises(RuntimeError, match="x has 15 inputs, weight 16"):
+        w8_linear(x[:, :15].contiguous(), q, scale)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        w8_linear(x, q, scale[:7])
+
+
+def test_int8_layers_run_the_kernel_and_agree_with_torchs(
+    w8_linear: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the module (the int8 output head of the medium tier) and the fast path's direct
+    call: the kernel runs (profiled) and agrees with torch's ``_weight_int8pack_mm`` to one bf16
+    rounding; without the build the layer falls back to torch's op."""
+    torch.manual_seed(0)
+    lin = quant.Int8WeightOnlyLinear(nn.Linear(192, 320, bias=False))
+    x = torch.randn(5, 192).to(torch.bfloat16)
+    torch_y = torch._weight_int8pack_mm(x, lin.weight_q, lin.scale.to(torch.bfloat16)).double()
+    with torch.no_grad():
+        for fn in (lin, quant.direct_kernel(lin, torch.bfloat16)):
+            assert "tiered_router::w8_linear" in _profiled_keys(lambda fn=fn: fn(x))
+            assert ((fn(x).double() - torch_y).abs() <= torch_y.abs() * 2.0**-7 + 1e-4).all()
+        monkeypatch.setattr(quant, "_w8_linear_op", lambda: None)
+        keys = _profiled_keys(lambda: lin(x))
+        assert "tiered_router::w8_linear" not in keys and "aten::_weight_int8pack_mm" in keys
 
 
 # -- shipping: the kernels build from an installed package, and no compiler is no failure ----------

@@ -212,6 +212,7 @@ bool use_vnni() {
 #elif defined(__AVX2__) && defined(__FMA__)
 
 constexpr int kMaxRows = 2;  // 8 int32 accumulators + 4 unpacked weight registers + constants
+constexpr int kQuadsPer16 = 8;  // quads whose pair sums fit 16 bits (one row's path)
 
 // Register v of a row holds channels 8v..8v+7: v = 0, 1 from the low nibbles of the two 32-byte
 // halves of a k-quad, v = 2, 3 from their high nibbles.
@@ -226,6 +227,34 @@ void rows_group_avx2(const Problem& p, int64_t b, int g, int64_t m0, float (*acc
   const int64_t j0 = static_cast<int64_t>(g) * quads;
   const uint8_t* wq = p.w + (b * (p.K / 4) + j0) * kQuadBytes;
   const int8_t* x = p.xq + m0 * p.K + j0 * 4;
+  if constexpr (R == 1) {
+    // The next block's same quads, a line per quad: the whole next block arrives while this one
+    // computes.
+    const uint8_t* ahead = (b + 1) * kBlockN < p.N ? wq + (p.K / 4) * kQuadBytes : nullptr;
+    // One row (a single stream's decode step): the u8 x s8 pair sums of up to kQuadsPer16 quads
+    // add up in 16 bits (|sum| <= 8 * 2 * 15 * 128 = 30720) before one widening per chunk, half the
+    // multiplies per quad. The same integers as below.
+    for (int j0 = 0; j0 < quads; j0 += kQuadsPer16) {
+      __m256i part[4];
+      for (int v = 0; v < 4; ++v) part[v] = _mm256_setzero_si256();
+      const int j1 = std::min(quads, j0 + kQuadsPer16);
+      for (int j = j0; j < j1; ++j) {
+        if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kQuadBytes), _MM_HINT_T0);
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * kQuadBytes));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * kQuadBytes + 32));
+        int32_t quad;
+        std::memcpy(&quad, x + 4 * j, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        part[0] = _mm256_add_epi16(part[0], _mm256_maddubs_epi16(_mm256_and_si256(w0, low4), xb));
+        part[1] = _mm256_add_epi16(part[1], _mm256_maddubs_epi16(_mm256_and_si256(w1, low4), xb));
+        part[2] = _mm256_add_epi16(part[2], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 4), low4), xb));
+        part[3] = _mm256_add_epi16(part[3], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low4), xb));
+      }
+      for (int v = 0; v < 4; ++v) dot[0][v] = _mm256_add_epi32(dot[0][v], _mm256_madd_epi16(part[v], ones16));
+    }
+    group_epilogue(p, b, g, m0, R, dot, acc);
+    return;
+  }
   for (int j = 0; j < quads; ++j) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * kQuadBytes));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + j * kQuadBytes + 32));
