@@ -454,6 +454,17 @@ def llama_cmd(binary: Path, gguf: Path, port: int, args: argparse.Namespace, hel
     return [*cmd, *shlex.split(args.llama_args)]
 
 
+def spec_counters(admin_port: int, tier: str) -> dict[str, float]:
+    """The tier's speculative counters from the service's /metrics (steps, drafted, accepted): a
+    level's deltas say whether the tier drafted while it was measured."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/metrics", timeout=10).text
+    pattern = r'^router_spec_decode_(\w+)_total\{tier="' + re.escape(tier) + r'"\} (\S+)$'
+    found = re.findall(pattern, text, re.M)
+    return {name: float(value) for name, value in found}
+
+
 # ---------------------------------------------------------------- the workload
 
 
@@ -661,8 +672,10 @@ def main(argv: list[str] | None = None) -> None:
         if any(t in TIERS for t in args.targets):
             port = free_port()
             env = dict(os.environ, OTEL_SDK_DISABLED="true")
+            admin_port = free_port()
             cmd = [sys.executable, "-m", "router.cli", "--log-level", "warning", "serve",
-                   "--policy", str(args.policy), "--port", str(port)]  # fmt: skip
+                   "--policy", str(args.policy), "--port", str(port),
+                   "--admin-port", str(admin_port)]  # fmt: skip
             s = Server("tiered-router", cmd, "/readyz", port, logdir, env=env)
             started.append(s)
             for t in TIERS:
@@ -699,12 +712,16 @@ def main(argv: list[str] | None = None) -> None:
             for t in order:
                 srv = by_target[t]
                 others = [o for o in started if o is not srv]
+                before = spec_counters(admin_port, t) if t in TIERS else None
                 r = measure(srv, t, prompts, c, args, others)
+                if before is not None:
+                    after = spec_counters(admin_port, t)
+                    r["speculative"] = {k: after[k] - before.get(k, 0.0) for k in after}
                 results.setdefault(t, {})[str(c)] = r
                 print(
                     f"c={c:<3} {t:<11} {r['tok_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_s'] * 1000:7.0f} ms"
                     f"  p99 {r['ttft_p99_s'] * 1000:7.0f} ms  RSS {r['rss_peak_mb']:6.0f} MB"
-                    f"  errors {r['errors']}",
+                    f"  errors {r['errors']}" + (f"  spec {r['speculative']}" if "speculative" in r else ""),
                     flush=True,
                 )
         for s in started:

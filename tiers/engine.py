@@ -71,14 +71,9 @@ class Engine:
         self.eos_token_ids = runner.eos_token_ids()
         self._shared_generator = torch.Generator().manual_seed(0)
         self.proposer = make_proposer(
-            name,
-            self.draft,
-            self.spec,
-            vocab_size=runner.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            generator=self._shared_generator,
-            max_num_seqs=config.max_num_seqs,
-        )
+            name, self.draft, self.spec, vocab_size=runner.vocab_size, eos_token_ids=self.eos_token_ids,
+            generator=self._shared_generator, max_num_seqs=config.max_num_seqs
+        )  # fmt: skip
         blocks = self.proposer.blocks if self.proposer is not None else None
         self.scheduler = Scheduler(config, runner.blocks, blocks, spec_budget=self._spec_budget)
         self.observer = observer
@@ -220,10 +215,14 @@ class Engine:
         return True
 
     def _choose_k(self) -> int:
-        """k for the next batch (new prompts count: they decode as one next), at the proposer's acceptance."""
-        held = max(1, min(self.config.max_num_seqs, self.scheduler.num_running + self.scheduler.num_waiting))
-        p = self.proposer
-        return self.spec.choose_k(held, acceptance=p.acceptance(self.scheduler.running)) if p else 0
+        """k for the next batch (new prompts count: they decode as one next), at the proposer's
+        acceptance, behind the draft's backlog (a model draft is fed only while it drafts)."""
+        p, s = self.proposer, self.scheduler
+        if p is None:
+            return 0
+        held = max(1, min(self.config.max_num_seqs, s.num_running + s.num_waiting))
+        lag = max(1, p.lag([*s.running, *s.waiting]))
+        return self.spec.choose_k(held, draft_lag=lag, acceptance=p.acceptance(s.running))
 
     def _run(self, batch: ScheduledBatch) -> None:
         """Draft, one target forward over every row, sample, and let the scheduler apply it."""

@@ -68,6 +68,11 @@ class Proposer(Protocol):
         """What the step's k is priced at: ``None`` for the engine's average acceptance."""
         ...
 
+    def lag(self, seqs: list[Sequence]) -> int:
+        """Most tokens any of ``seqs``' drafts must read before it can propose (the controller
+        resumes drafting only on a clearer win, and does not explore, behind a long backlog)."""
+        ...
+
     def on_accept(self, seq: Sequence, num_accepted: int) -> None: ...
     def forget(self, seq: Sequence) -> None: ...
     def profile(self, target: ModelRunner, prompt: list[int], sizes: list[int], ctx: int) -> float | None:
@@ -217,6 +222,11 @@ class ModelDraft:
         (a row left out falls behind and must be caught up)."""
         return None
 
+    def lag(self, seqs: list[Sequence]) -> int:
+        """The draft model's KV is fed only while drafting: after plain steps (or for a new
+        prompt) it must first read every token since, a forward of that length on the draft."""
+        return max((s.num_tokens - s.num_draft_computed_tokens for s in seqs), default=0)
+
     def on_accept(self, seq: Sequence, num_accepted: int) -> None:
         steps = self._grammar_steps.pop(seq.seq_id, 0)
         if steps > num_accepted and seq.params.constraint is not None:
@@ -267,6 +277,10 @@ class NgramDraft:
         return max(
             (self.spec.row_acceptance(s.num_draft_tokens, s.num_accepted_tokens) for s in seqs), default=None
         )
+
+    def lag(self, seqs: list[Sequence]) -> int:
+        """A lookup reads the row's tokens where they are: nothing to catch up."""
+        return 0
 
     def propose(self, batch: ScheduledBatch, k: int) -> Proposal:
         out = Proposal.empty(batch.num_seqs)

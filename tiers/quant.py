@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tiers.cpu_kernels import cpu_is_intel
+from tiers.cpu_kernels import w8_linear_op as _w8_linear_op
 
 __all__ = [
     "Int4WeightOnlyLinear",
@@ -39,18 +40,9 @@ __all__ = [
 QuantMethod = Literal["none", "int8", "int4"]
 
 
-def _w8_linear_op() -> Any | None:
-    from tiers.cpu_kernels import w8_linear_op
-
-    return w8_linear_op()
-
-
 class Int8WeightOnlyLinear(nn.Module):
-    """Symmetric per-output-channel int8 weights; ``y = (x @ q.T) * scale``.
-
-    On the CPU with bf16 activations: ``tiered_router::w8_linear`` where the kernels are built
-    (batch-invariant, 1.4-1.7x torch's kernel on the AVX2 host), else ``_weight_int8pack_mm``; the
-    same numerics up to the order of the fp32 sums."""
+    """Symmetric per-output-channel int8 weights; ``y = (x @ q.T) * scale``. On the CPU with bf16
+    activations ``tiered_router::w8_linear`` where built (batch-invariant), else ``_weight_int8pack_mm``."""
 
     weight_q: torch.Tensor
     scale: torch.Tensor
@@ -301,8 +293,8 @@ instruction set and vendor, measured where set:
 - AVX512, AMD (the 2-core Zen 4 VM): up to 2. SmolLM2-135M's fp32 projections, a whole step's
   worth (30 layers' weights cycled, 540 MB): 16.4 vs 23.4 ms at 1 row (1.43x), 18.6 vs 24.4 at 2
   (1.31x); from 3 rows oneDNN's packed GEMM reaches ~32 GB/s and wins (0.90x at 3, 0.75x at 5).
-- Elsewhere 0 (off): not measured yet (Intel keeps MKL at these rows; on AVX2 the kernel builds and
-  is tested, and ``benchmarks/cpu_kernels.py`` is the measurement to set it by)."""
+- Elsewhere 0 (off). AVX2 (Zen 1 VM): a step's projections 41 vs 57 ms at 1-2 rows, but a kernel
+  switch by row count would end the large tier's batch invariance there; Intel: not measured."""
 
 
 def _f32_gemv_op() -> Any | None:

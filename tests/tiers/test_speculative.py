@@ -562,6 +562,35 @@ async def test_the_draft_is_not_fed_while_speculation_does_not_pay(plain: Engine
     assert on[0] == on_plain[0]
 
 
+async def test_the_controller_sees_the_drafts_backlog(
+    spec: Engine, ngram_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine tells the controller how far the draft is behind (``choose_k``'s ``draft_lag``):
+    a model draft is not fed while k is 0, so every plain step adds a token it must first read,
+    and a new prompt's draft has read nothing. Behind such a backlog the controller neither
+    explores nor resumes on a thin margin. Catches the engine passing the default lag of 1 (it
+    did: with speculation off, the medium tier explored every 64 steps with its draft behind by
+    the whole context, each exploration a catch-up forward of that length on the small model,
+    and from outside ran at 0.6-0.7x its plain speed). An n-gram lookup has nothing to read."""
+    ids = prompts(1, seed=21)[0][:40]
+    lags: list[int] = []
+
+    def pinned(
+        _self: SpecController, batch_size: int, draft_lag: int = 1, acceptance: float | None = None
+    ) -> int:
+        lags.append(draft_lag)
+        return 0
+
+    monkeypatch.setattr(SpecController, "choose_k", pinned)
+    await collect(spec, ids, greedy(12))
+    model_lags, lags[:] = list(lags), []
+    await collect(ngram_engine, ids, greedy(12))
+    monkeypatch.undo()
+    assert model_lags[0] == len(ids)  # the waiting prompt: none of it read by the draft
+    assert model_lags[-1] >= len(ids) + 10 and model_lags == sorted(model_lags)
+    assert set(lags) == {1}
+
+
 def test_a_k_not_in_use_is_priced_against_the_plain_steps_current_cost() -> None:
     """Profiled at a short context, a 2-token step cost 2x a plain one and speculation did not
     pay. Contexts grow, plain steps (the only ones run) measure 2x more: the 2-token step, never
