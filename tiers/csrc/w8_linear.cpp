@@ -4,7 +4,7 @@
 //
 // Why: torch's CPU kernel for this op is a third of the medium tier's one-stream decode step on the
 // 2-core AMD EPYC AVX2 VM (SmolLM2's 49,152 x 576 head: 5-8 ms at one row, 31-53 ms at 16 as the
-// VM drifts; this kernel 1.6-1.7x faster at one row, 1.4-1.6x at 16, measured back to back).
+// VM drifts; this kernel 1.6-1.7x faster at one row, 1.2-1.6x at 16, measured back to back).
 //
 // How: threads split the output channels in groups of O (whole weight rows, contiguous memory).
 // Within a group every pass of R input rows meets the group's O weight rows while they sit in L1,
@@ -55,8 +55,9 @@ struct Args {
 
 // Outputs [n0, n0 + O) of rows [m0, m0 + R). `wr` holds the group's weight rows, padded with
 // zeros to Kp (the last vector of a row with K % kLanes != 0 reads the padding, as x does).
-// `ahead` (or null): weight bytes a few groups on, fetched a cache line per step while this pass
-// computes; the hardware prefetcher ramps up poorly on a group's short interleaved row streams.
+// `ahead`: weight bytes a few groups on, `ahead_lines` cache lines of them fetched one per step
+// while this pass computes (0: none); the hardware prefetcher ramps up poorly on a group's short
+// interleaved row streams.
 template <int R, int O>
 inline void pass(const Args& a, const int8_t* const* wr, int64_t n0, int64_t m0, const int8_t* ahead,
                  int64_t ahead_lines) {
