@@ -71,6 +71,17 @@ def machine() -> dict[str, Any]:
     }
 
 
+def kernels_missing(op: Any) -> bool:
+    """True (after saying why) when ``op``, one of ``tiers.cpu_kernels``' ``*_op()`` results, is
+    ``None``: the kernel benchmarks then exit 2 instead of measuring torch against itself."""
+    if op is not None:
+        return False
+    from tiers import cpu_kernels
+
+    print(f"no CPU kernel build applies here ({cpu_kernels.library_path().name}); run `make kernels`")
+    return True
+
+
 def write_json(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

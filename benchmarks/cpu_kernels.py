@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, write_json
 
 TIERS: dict[str, dict[str, Any]] = {
     "small (int4 g64, int4 head)": {"quantization": "int4", "group_size": 64, "int4_head": True},
@@ -92,8 +92,7 @@ def main() -> int:
     from tiers.device import DeviceWorker
     from tiers.quant import TILED_INT4_MIN_ROWS
 
-    if cpu_kernels.int4_mm_op() is None:
-        print(f"no CPU kernel build applies here ({cpu_kernels.library_path().name}); run `make kernels`")
+    if kernels_missing(cpu_kernels.int4_mm_op()):
         return 2
     worker = DeviceWorker()  # the thread the service's tiers run on
     rows = []

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, write_json
 
 SHAPES = ("1", "4", "16")
 VARIANTS = ("torch _weight_int8pack_mm", "w8_linear")
@@ -115,19 +115,11 @@ def _head_alone(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, fl
 def _numbers(runners: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from tiers.loading import load_model
-
-    text = TEXT.read_text()
-    lm = load_model(
-        "embedded:smollm2-135m-instruct",
-        quantization="int4",
-        group_size=32,
-        int4_head=False,
-        int8_activations=True,
-    )
-    ids = lm.tokenizer(text, return_tensors="pt").input_ids[:, :1024]
+    # The hidden states from the runners' own model (HF's forward over the same quantized body).
+    runner = runners[VARIANTS[1]]
+    ids = runner.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids[:, :1024]
     with torch.inference_mode():
-        hidden = lm.model.model(ids).last_hidden_state[0].to(torch.bfloat16)
+        hidden = runner.model.model(ids).last_hidden_state[0].to(torch.bfloat16)
         a = runners[VARIANTS[0]].lm_head(hidden).float()
         b = runners[VARIANTS[1]].lm_head(hidden).float()
     return {
@@ -145,8 +137,7 @@ def main() -> int:
     from tiers import cpu_kernels
     from tiers.device import DeviceWorker
 
-    if cpu_kernels.w8_linear_op() is None:
-        print(f"no CPU kernel build applies here ({cpu_kernels.library_path().name}); run `make kernels`")
+    if kernels_missing(cpu_kernels.w8_linear_op()):
         return 2
     worker = DeviceWorker()  # the thread the service's tiers run on
     runners = worker.call(_runners)

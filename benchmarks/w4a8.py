@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, write_json
 
 SHAPES = ("1", "4", "16", "prefill 128")
 VARIANTS = {"bf16 activations": False, "int8 activations (W4A8)": True}
@@ -108,8 +108,7 @@ def main() -> int:
     from tiers import cpu_kernels
     from tiers.device import DeviceWorker
 
-    if cpu_kernels.w4a8_mm_op() is None:
-        print(f"no CPU kernel build applies here ({cpu_kernels.library_path().name}); run `make kernels`")
+    if kernels_missing(cpu_kernels.w4a8_mm_op()):
         return 2
     worker = DeviceWorker()  # the thread the service's tiers run on
     step_ms = worker.call(lambda: _speed(args.repeats))
