@@ -310,6 +310,25 @@ def test_rope_kv_write_refuses_what_it_would_misread_with_the_reason() -> None:
         op(y, cs.to(torch.bfloat16), cs, pool, torch.tensor([0, 1]), 1, 2)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_batch_and_thread_invariant(fn: Any, x: torch.Tensor) -> None:
+    """``fn(rows)`` gives each row bit for bit what it gives the row alone on one thread, for
+    every leading slice of ``x`` and for ``x`` reversed, on two threads."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+        torch.set_num_threads(2)
+        for m in range(1, x.shape[0] + 1):
+            assert torch.equal(_bits(fn(x[:m])), _bits(alone[:m])), m
+        assert torch.equal(_bits(fn(x.flip(0))), _bits(alone.flip(0)))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def f32_linear() -> object:
     got = cpu_kernels.f32_linear_op()
@@ -348,17 +367,7 @@ def test_f32_linear_is_batch_and_thread_invariant(f32_linear: Any) -> None:
     that changes the accumulation (e.g. a different tail or reduction for some rows)."""
     torch.manual_seed(0)
     w, b = torch.randn(577, 100), torch.randn(577)
-    x = torch.randn(17, 100)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([f32_linear(x[i : i + 1], w, b) for i in range(17)])
-        torch.set_num_threads(2)
-        for m in range(1, 18):
-            assert torch.equal(f32_linear(x[:m], w, b), alone[:m]), m
-        assert torch.equal(f32_linear(x.flip(0), w, b), alone.flip(0))
-    finally:
-        torch.set_num_threads(before)
+    assert_batch_and_thread_invariant(lambda x: f32_linear(x, w, b), torch.randn(17, 100))
 
 
 def test_f32_linear_refuses_what_it_would_misread_with_the_reason(f32_linear: Any) -> None:
@@ -540,16 +549,7 @@ def test_w8_linear_is_batch_and_thread_invariant(w8_linear: Any) -> None:
     threads ran: what keeps greedy answers of the int8-head tier independent of other traffic.
     Catches a pass size or group width that changes a row's accumulation."""
     x, q, scale = w8_case(577, 100, 17)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([w8_linear(x[i : i + 1], q, scale) for i in range(17)])
-        torch.set_num_threads(2)
-        for m in range(1, 18):
-            assert torch.equal(w8_linear(x[:m], q, scale).view(torch.int16), alone[:m].view(torch.int16)), m
-        assert torch.equal(w8_linear(x.flip(0), q, scale).view(torch.int16), alone.flip(0).view(torch.int16))
-    finally:
-        torch.set_num_threads(before)
+    assert_batch_and_thread_invariant(lambda rows: w8_linear(rows, q, scale), x)
 
 
 def test_w8_linear_refuses_what_it_would_misread_with_the_reason(w8_linear: Any) -> None:
