@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiers.quant import INT4_CPU_PACK_BLOCK, Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedFp32Linear
+from tiers.fp32_packed import PackedFp32Linear
+from tiers.quant import INT4_CPU_PACK_BLOCK, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 __all__ = ["FusedSlice", "fuse_linears"]
 
@@ -40,8 +41,11 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
             if fused.bias is not None and bias is not None:
                 fused.bias.copy_(bias)
         fused.requires_grad_(False)
-        # Packed parts give a packed fusion (packed once more, from the concatenated weight).
-        return PackedFp32Linear(fused, first.backend) if isinstance(first, PackedFp32Linear) else fused
+        # Packed parts give a packed fusion (packed once more, from the concatenated weight); an
+        # invariant one picks its library by its own shape's check.
+        if not isinstance(first, PackedFp32Linear):
+            return fused
+        return PackedFp32Linear(fused, None if first.invariant else first.backend, invariant=first.invariant)
     if isinstance(first, Int8WeightOnlyLinear):
         out = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
         nn.Module.__init__(out)

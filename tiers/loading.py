@@ -221,8 +221,11 @@ def load_model(
     group_size: int = 32,
     int4_head: bool = False,
     int8_activations: bool = False,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
-    """Load a tier's model at its operating point (device, dtype, weight quantization)."""
+    """Load a tier's model at its operating point (device, dtype, weight quantization).
+    ``batch_invariant``: an fp32 CPU model's packed linears give a row the same bits whatever the
+    batch (``fp32_packed.PackedFp32Linear``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -267,11 +270,11 @@ def load_model(
         _own_memory(hf_model)
         if quantization == "none" and torch_dtype == torch.float32:
             # A weight packed once: MKL's at the 4-16 rows a decoding batch or a verify step has
-            # on Intel, oneDNN's at every row count elsewhere (``quant.fp32_gemm_backend`` and
-            # ``quant.PackedFp32Linear`` say what each measured).
-            from tiers.quant import use_packed_fp32_linears
+            # on Intel, oneDNN's at every row count elsewhere, one GEMM at every row count when
+            # batch-invariant (``tiers.fp32_packed`` says what each measured).
+            from tiers.fp32_packed import use_packed_fp32_linears
 
-            use_packed_fp32_linears(hf_model)
+            use_packed_fp32_linears(hf_model, invariant=batch_invariant)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(

@@ -207,8 +207,8 @@ def _weight_bytes(config: Any, cfg: PlannedTier, device: str) -> int:
     width = 2 if _dtype_name(cfg, device) in ("bfloat16", "float16") else 4
     if width == 4 and device == "cpu":
         # fp32 on the CPU keeps a packed copy of every large linear's weight beside it
-        # (``quant.PackedFp32Linear``), the output head included even when tied to the embedding.
-        from tiers.quant import PACKED_MIN_WEIGHT_ELEMENTS
+        # (``fp32_packed.PackedFp32Linear``), the output head included even when tied to the embedding.
+        from tiers.fp32_packed import PACKED_MIN_WEIGHT_ELEMENTS
 
         total += sum(
             m.weight.numel()

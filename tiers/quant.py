@@ -21,19 +21,16 @@ from torch import nn
 
 from tiers.cpu_kernels import cpu_is_intel
 from tiers.cpu_kernels import w8_linear_op as _w8_linear_op
+from tiers.fp32_packed import PackedFp32Linear, direct_call
 
 __all__ = [
     "Int4WeightOnlyLinear",
     "Int8WeightOnlyLinear",
-    "PackedFp32Linear",
     "QuantMethod",
     "cpu_is_intel",
     "direct_kernel",
-    "fp32_gemm_backend",
     "pack_w4a8",
-    "packed_fp32_supported",
     "quantize_model",
-    "use_packed_fp32_linears",
     "w4a8_reference",
 ]
 
@@ -267,124 +264,9 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
     if w8 is not None and mod.bias is None and dtype == torch.bfloat16 and mod.weight_q.device.type == "cpu":
         q, scale = mod.weight_q, mod.scale.to(torch.bfloat16)
         return lambda x: w8(x.contiguous(), q, scale)
-    if isinstance(mod, PackedFp32Linear) and mod.backend == "onednn" and dtype == torch.float32:
-        op, packed, bias = torch.ops.mkldnn._linear_pointwise, mod.weight_packed, mod.bias
-        gemv, weight, limit = _f32_gemv_op(), mod.weight.detach(), F32_GEMV_MAX_ROWS
-
-        def onednn(x: torch.Tensor) -> torch.Tensor:
-            return op(x.contiguous(), packed, bias, "none", [], "")
-
-        if gemv is None:
-            return onednn
-        return lambda x: gemv(x.contiguous(), weight, bias) if x.shape[0] <= limit else onednn(x)
+    if isinstance(mod, PackedFp32Linear) and dtype == torch.float32:
+        return direct_call(mod)
     return mod.forward
-
-
-def _f32_gemv_max_rows() -> int:
-    from tiers.cpu_kernels import host_isa
-
-    return 2 if host_isa() == "AVX512" and not cpu_is_intel() else 0
-
-
-F32_GEMV_MAX_ROWS = _f32_gemv_max_rows()
-"""Up to this many rows the oneDNN-packed fp32 projections run ``tiered_router::f32_linear``
-(tiers/csrc/f32_gemv.cpp), which reads the plain ``[out, in]`` weight at memory speed. Fixed per
-instruction set and vendor, measured where set:
-- AVX512, AMD (the 2-core Zen 4 VM): up to 2. SmolLM2-135M's fp32 projections, a whole step's
-  worth (30 layers' weights cycled, 540 MB): 16.4 vs 23.4 ms at 1 row (1.43x), 18.6 vs 24.4 at 2
-  (1.31x); from 3 rows oneDNN's packed GEMM reaches ~32 GB/s and wins (0.90x at 3, 0.75x at 5).
-- Elsewhere 0 (off). AVX2 (Zen 1 VM): a step's projections 41 vs 57 ms at 1-2 rows, but a kernel
-  switch by row count would end the large tier's batch invariance there; Intel: not measured."""
-
-
-def _f32_gemv_op() -> Any | None:
-    if F32_GEMV_MAX_ROWS <= 0:
-        return None
-    from tiers.cpu_kernels import f32_linear_op
-
-    return f32_linear_op()
-
-
-Fp32Backend = Literal["mkl", "onednn"]
-
-
-def fp32_gemm_backend() -> Fp32Backend:
-    """Which packed fp32 GEMM this CPU runs faster: MKL's on Intel, oneDNN's elsewhere.
-
-    Why by vendor: MKL takes slower code paths on CPUs it does not recognise as Intel's. On this
-    project's AMD EPYC (Zen 4) VM (benchmarks/results/linear_kernels.json) plain MKL took 10.4 ms
-    for SmolLM2-135M's 49k-row head at one row and MKL's packed GEMM 17.3 ms at four; oneDNN's
-    packed GEMM took 5.3 and 4.4 ms, and won at every row count from 1 to 512 on every shape.
-    On the Intel Xeon VMs of earlier runs MKL was the faster one (a oneDNN decode step at one row
-    measured 42 vs 32 ms), so Intel keeps it. A fixed rule rather than timing both at load: the
-    kernel, and so the last bits of every logit, must not change from one start to the next."""
-    return "mkl" if cpu_is_intel() or not onednn_fp32_supported() else "onednn"
-
-
-class PackedFp32Linear(nn.Module):
-    """fp32 CPU linear over a weight packed once for the GEMM library this CPU runs faster
-    (``fp32_gemm_backend``), at the row counts where that measured faster than the plain
-    ``F.linear``; the plain call elsewhere.
-
-    Why: a plain fp32 ``F.linear`` repacks its weight on every call, which at 4-16 rows costs more
-    than the arithmetic. MKL (Intel): SmolLM2-135M's 49k-row head took 2.6 / 5.4 / 9.4 / 8.2 ms at
-    1 / 4 / 8 / 16 rows plain and 2.3 / 3.6 / 4.3 / 5.6 ms packed; the fp32 tier's median decode
-    step in-process went from 47 to 35 ms at 4 sequences and 66 to 53 ms at 16. Outside 4-16 rows
-    MKL's packed kernel measured no better (1-3 rows) or worse (from 17 rows; the head at 80 rows
-    29 vs 18 ms), so those calls keep the plain weight. oneDNN (other vendors) won at every row
-    count (``fp32_gemm_backend``), so it serves all of them, except up to ``F32_GEMV_MAX_ROWS`` rows
-    where this project's memory-speed kernel reads the plain weight faster. Cost: the packed copy
-    is as large as the weight (+540 MB for a 135M fp32 model).
-
-    ``torch.ops.mkl._mkl_linear`` is the op inductor emits for frozen fp32 linears; it takes the
-    packed path only when the row count equals the ``batch_size`` argument, so each call passes its
-    own row count. Neither library's packed layout depends on the row count it was packed for
-    (``tests/tiers/test_quant.py`` checks 1-33 rows of both against fp64).
-    """
-
-    MKL_PACKED_ROWS = range(4, 17)
-
-    def __init__(self, linear: nn.Linear, backend: Fp32Backend | None = None) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.backend: Fp32Backend = backend or fp32_gemm_backend()
-        self.packed_rows = self.MKL_PACKED_ROWS if self.backend == "mkl" else range(1, 1 << 62)
-        # The same Parameter, not a copy: a head tied to the embedding stays tied.
-        self.weight = linear.weight
-        self.bias = linear.bias
-        with torch.no_grad():
-            w = self.weight.detach().to(torch.float32).contiguous()
-            rows = self.MKL_PACKED_ROWS.stop - 1
-            if self.backend == "mkl":
-                self.weight_packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-            else:
-                self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        rows = x2.shape[0]
-        gemv = _f32_gemv_op() if self.backend == "onednn" and rows <= F32_GEMV_MAX_ROWS else None
-        if gemv is not None and x2.dtype == torch.float32:
-            y = gemv(x2.contiguous(), self.weight.detach(), self.bias)
-        elif rows in self.packed_rows and x2.dtype == torch.float32:
-            x2 = x2.contiguous()
-            if self.backend == "mkl":
-                y = torch.ops.mkl._mkl_linear(x2, self.weight_packed, self.weight, self.bias, rows)
-            else:
-                y = torch.ops.mkldnn._linear_pointwise(x2, self.weight_packed, self.bias, "none", [], "")
-        else:
-            y = nn.functional.linear(x2, self.weight, self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
-
-
-def packed_fp32_supported() -> bool:
-    return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def onednn_fp32_supported() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _untie_head(model: Any) -> None:
@@ -396,27 +278,6 @@ def _untie_head(model: Any) -> None:
         model.lm_head = untied
         if hasattr(model, "config"):
             model.config.tie_word_embeddings = False
-
-
-PACKED_MIN_WEIGHT_ELEMENTS = 1 << 16
-"""Below this a weight is cache-resident: the plain kernel's repacking is cheap and the packed copy
-would only add memory."""
-
-
-def use_packed_fp32_linears(model: nn.Module) -> nn.Module:
-    """Swap the large fp32 CPU ``nn.Linear``s for ``PackedFp32Linear`` (no-op without the library)."""
-    if fp32_gemm_backend() == "mkl" and not packed_fp32_supported():
-        return model
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (
-                type(child) is nn.Linear
-                and child.weight.device.type == "cpu"
-                and child.weight.dtype == torch.float32
-                and child.weight.numel() >= PACKED_MIN_WEIGHT_ELEMENTS
-            ):
-                setattr(parent, name, PackedFp32Linear(child))
-    return model
 
 
 def quantize_model(

@@ -103,4 +103,5 @@ def model_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.quantize_head,
         cfg.activation_quantization,
         cfg.device,
+        cfg.batch_invariant,
     )

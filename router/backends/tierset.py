@@ -258,6 +258,7 @@ def build_tiers(
                 group_size=cfg.quant_group_size,
                 int4_head=cfg.quantize_head,
                 int8_activations=cfg.activation_quantization == "int8",
+                batch_invariant=cfg.batch_invariant,
             )
 
         models[key] = worker.call(load)

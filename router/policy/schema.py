@@ -96,9 +96,11 @@ class TierConfig:
     """A temperature-0 answer that does not depend on other traffic: on the CPU fast path one
     attention kernel (the paged one) serves every query length, so a prompt computed whole, in
     chunks, or from the prefix cache gives the same logits (measured cost on a 512-token prefill:
-    within 3%, noise). The quantized GEMM paths and oneDNN's packed fp32 are row-independent already;
-    fp32 through MKL (Intel) or the one/two-row GEMV kernel (AVX512) still switches by batch size.
-    false: prompt chunks over 64 tokens take gather + SDPA."""
+    within 3%, noise), and fp32 linears take one packed GEMM at every row count, from the library
+    (MKL or oneDNN) checked batch-invariant on this CPU at load (``tiers.fp32_packed``). The
+    quantized GEMM paths are row-independent already. false: prompt chunks over 64 tokens take
+    gather + SDPA, and fp32 switches kernels by row count where that measured faster (MKL's
+    packed GEMM at 4-16 rows on Intel, the one/two-row GEMV on AVX512 AMD)."""
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     served_model_name: str | None = None
     """Remote tiers: the ``model`` value sent upstream (default: the tier name)."""

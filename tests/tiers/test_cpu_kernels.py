@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tiers import cpu_kernels, quant
+from tiers import cpu_kernels, fp32_packed, quant
 from tiers.quant import Int4WeightOnlyLinear
 
 pytestmark = pytest.mark.skipif(
@@ -387,11 +387,11 @@ def test_fp32_layers_use_it_up_to_the_row_threshold(f32_linear: Any, monkeypatch
     ``F32_GEMV_MAX_ROWS`` rows the kernel runs (profiled), above it oneDNN's packed GEMM does, and
     both agree with the module's oneDNN output to fp32 noise. On a host where the threshold is 0 the
     wiring is checked at 2."""
-    if quant.F32_GEMV_MAX_ROWS == 0:
-        monkeypatch.setattr(quant, "F32_GEMV_MAX_ROWS", 2)
-    limit = quant.F32_GEMV_MAX_ROWS
+    if fp32_packed.F32_GEMV_MAX_ROWS == 0:
+        monkeypatch.setattr(fp32_packed, "F32_GEMV_MAX_ROWS", 2)
+    limit = fp32_packed.F32_GEMV_MAX_ROWS
     torch.manual_seed(0)
-    lin = quant.PackedFp32Linear(nn.Linear(256, 384), "onednn")
+    lin = fp32_packed.PackedFp32Linear(nn.Linear(256, 384), "onednn")
     direct = quant.direct_kernel(lin, torch.float32)
     for rows in (1, limit, limit + 1, 9):
         x = torch.randn(rows, 256)

@@ -486,18 +486,18 @@ async def test_packed_fp32_kernels_keep_hfs_greedy_output(
     built from the wrong weights; and checks the packed kernel served the decode steps."""
     from transformers import AutoModelForCausalLM
 
-    from tiers import quant
+    from tiers import fp32_packed
 
-    monkeypatch.setattr(quant, "PACKED_MIN_WEIGHT_ELEMENTS", 0)
-    monkeypatch.setattr(quant, "fp32_gemm_backend", lambda: backend)
+    monkeypatch.setattr(fp32_packed, "PACKED_MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(fp32_packed, "fp32_gemm_backend", lambda: backend)
     rows_seen: list[int] = []
-    real_forward = quant.PackedFp32Linear.forward
+    real_forward = fp32_packed.PackedFp32Linear.forward
 
-    def counting(self: quant.PackedFp32Linear, x: torch.Tensor) -> torch.Tensor:
+    def counting(self: fp32_packed.PackedFp32Linear, x: torch.Tensor) -> torch.Tensor:
         rows_seen.append(x.reshape(-1, x.shape[-1]).shape[0])
         return real_forward(self, x)
 
-    monkeypatch.setattr(quant.PackedFp32Linear, "forward", counting)
+    monkeypatch.setattr(fp32_packed.PackedFp32Linear, "forward", counting)
     # One- and two-row steps go to the fp32 GEMV kernel where it is built (on every such host
     # here, so the wiring is tested where the measured threshold is 0): count its calls.
     gemv_calls = [0]
@@ -505,17 +505,17 @@ async def test_packed_fp32_kernels_keep_hfs_greedy_output(
 
     gemv_op = cpu_kernels.f32_linear_op() if backend == "onednn" else None
     if gemv_op is not None:
-        monkeypatch.setattr(quant, "F32_GEMV_MAX_ROWS", max(quant.F32_GEMV_MAX_ROWS, 2))
+        monkeypatch.setattr(fp32_packed, "F32_GEMV_MAX_ROWS", max(fp32_packed.F32_GEMV_MAX_ROWS, 2))
 
         def counted(*args: object) -> torch.Tensor:
             gemv_calls[0] += 1
             return gemv_op(*args)
 
-        monkeypatch.setattr(quant, "_f32_gemv_op", lambda: counted)
+        monkeypatch.setattr(fp32_packed, "_f32_gemv_op", lambda: counted)
     packed = make_engine(worker, tiny_model_dir, name="packed")
     assert isinstance(packed, Engine)
     model = packed.runner.model
-    assert isinstance(model.lm_head, quant.PackedFp32Linear) and model.lm_head.backend == backend
+    assert isinstance(model.lm_head, fp32_packed.PackedFp32Linear) and model.lm_head.backend == backend
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     ps = prompts(6, seed=31)
     rows_seen.clear()

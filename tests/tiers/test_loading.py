@@ -70,18 +70,18 @@ def test_fp32_cpu_tiers_pack_their_large_linears(
     leave smaller ones (cache-resident) plain; quantized loads are untouched."""
     import torch
 
-    from tiers import quant
+    from tiers import fp32_packed
 
     def kinds(m: torch.nn.Module) -> set[str]:
         return {type(x).__name__ for x in m.modules() if "Linear" in type(x).__name__}
 
     assert kinds(load_model(str(tiny_model_dir), dtype="float32").model) == {"Linear"}  # all < 64k
-    monkeypatch.setattr(quant, "PACKED_MIN_WEIGHT_ELEMENTS", 64 * 64)
+    monkeypatch.setattr(fp32_packed, "PACKED_MIN_WEIGHT_ELEMENTS", 64 * 64)
     mixed = load_model(str(tiny_model_dir), dtype="float32").model
     assert kinds(mixed) == {"Linear", "PackedFp32Linear"}
     assert all(
-        isinstance(x, quant.PackedFp32Linear) == (x.weight.numel() >= 64 * 64)
+        isinstance(x, fp32_packed.PackedFp32Linear) == (x.weight.numel() >= 64 * 64)
         for x in mixed.modules()
-        if isinstance(x, (torch.nn.Linear, quant.PackedFp32Linear))
+        if isinstance(x, (torch.nn.Linear, fp32_packed.PackedFp32Linear))
     )
     assert "PackedFp32Linear" not in kinds(load_model(str(tiny_model_dir), quantization="int8").model)

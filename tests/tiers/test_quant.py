@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedFp32Linear, quantize_model
+from tiers.fp32_packed import PackedFp32Linear
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
 
 
 @pytest.fixture
@@ -50,76 +51,6 @@ def test_int4_rejects_unaligned_features() -> None:
         Int4WeightOnlyLinear(nn.Linear(40, 8), group_size=32)
 
 
-_PACKED_OPS = {"mkl": "mkl::_mkl_linear", "onednn": "mkldnn::_linear_pointwise"}
-
-
-def _ran_packed_gemm(fn: Any, backend: str) -> bool:
-    return _ran(fn, _PACKED_OPS[backend])
-
-
-def _ran(fn: Any, op: str) -> bool:
-    from torch.profiler import profile
-
-    with profile() as prof:
-        fn()
-    return any(op in e.key for e in prof.key_averages())
-
-
-def _gemv_rows() -> int:
-    """Rows the memory-speed fp32 kernel serves on this host (0 where it is off or not built)."""
-    from tiers import quant
-
-    return quant.F32_GEMV_MAX_ROWS if quant._f32_gemv_op() is not None else 0
-
-
-@pytest.mark.parametrize("backend", ["mkl", "onednn"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_fp32_linear_matches_fp64_at_every_row_count(bias: bool, backend: str) -> None:
-    """The packed weight is made once (for 16 rows) and used at every row count it serves (MKL's
-    4-16, oneDNN's all): catches a packed layout that depends on the row count (garbage), a wrong
-    bias, or rows outside MKL's 4-16 sent to its packed kernel (where it measured slower) - and
-    checks the packed kernel ran."""
-    torch.manual_seed(0)
-    lin = nn.Linear(256, 384, bias=bias)
-    packed = PackedFp32Linear(lin, backend)  # type: ignore[arg-type]
-    # oneDNN's packed GEMM serves every row count except the few the fp32 GEMV kernel takes.
-    expected_rows = range(4, 17) if backend == "mkl" else range(_gemv_rows() + 1, 34)
-    ref_w = lin.weight.detach().double()
-    for rows in range(1, 34):
-        x = torch.randn(rows, 256)
-        ref = x.double() @ ref_w.T + (lin.bias.detach().double() if bias else 0)
-        with torch.no_grad():
-            got = packed(x)
-        assert (got.double() - ref).abs().max() < 1e-4, rows
-        assert _ran_packed_gemm(lambda x=x: packed(x), backend) == (rows in expected_rows), rows
-        gemv = backend == "onednn" and rows <= _gemv_rows()
-        assert _ran(lambda x=x: packed(x), "tiered_router::f32_linear") == gemv, rows
-    x3 = torch.randn(2, 3, 256)  # leading dims flatten to 6 rows
-    assert torch.allclose(packed(x3), lin(x3), atol=1e-5)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_direct_call_of_a_onednn_packed_linear_is_the_modules_op(bias: bool) -> None:
-    """The fast path calls oneDNN's packed GEMM without the module: catches a direct call that
-    drops the bias, reads a stale or unpacked weight, or is silently the module's forward again
-    (then the Python it exists to skip comes back)."""
-    from tiers.quant import direct_kernel
-
-    torch.manual_seed(0)
-    packed = PackedFp32Linear(nn.Linear(256, 384, bias=bias), "onednn")
-    direct = direct_kernel(packed, torch.float32)
-    assert direct != packed.forward
-    for rows in (1, 4, 16, 33):
-        x = torch.randn(rows, 256)
-        with torch.no_grad():
-            assert torch.equal(direct(x), packed(x)), rows
-            assert torch.equal(direct(x.t().contiguous().t()), packed(x)), rows  # column-major input
-        assert _ran_packed_gemm(lambda x=x: direct(x), "onednn") == (rows > _gemv_rows())
-        assert _ran(lambda x=x: direct(x), "tiered_router::f32_linear") == (rows <= _gemv_rows())
-    mkl = PackedFp32Linear(nn.Linear(256, 384), "mkl")  # picks its kernel by row count: keeps forward
-    assert direct_kernel(mkl, torch.float32) == mkl.forward
-
-
 def _tiny_llama(vocab: int, layers: int) -> Any:
     """A random tied-embedding Llama: 64 wide, 4 heads over 2 KV heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -153,7 +84,7 @@ def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None
     from torch import nn
 
     from tiers.fusion import FusedSlice, fuse_linears
-    from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedFp32Linear
+    from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     torch.manual_seed(0)
     make = {
