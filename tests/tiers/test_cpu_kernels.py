@@ -448,7 +448,9 @@ def test_w4a8_kernel_is_bitwise_the_torch_reference_at_every_row_count(
 ) -> None:
     """Catches a wrong nibble-to-channel map, scales paired with the wrong channels or groups, an
     activation rounding other than half-to-even, an FMA where the definition has a multiply and an
-    add, and lost rows at the register-tile tails (8 rows a tile on AVX512, 2 on AVX2). Equality
+    add, lost rows at the register-tile tails (8 rows a tile on AVX512, 2 on AVX2), and a one-row
+    path (AVX512: every group in registers, split dot-product chains) that drifts from the
+    per-group one (m = 1, 9, 17, 33 run it). Equality
     at every row count is also the batch invariance: a row's output never depends on the others.
     Both integer paths of an AVX512 build: VNNI where the CPU has it, and vpmaddubsw + vpmaddwd."""
     if not vnni:

@@ -202,6 +202,70 @@ void rows_group_bw(const Problem& p, int64_t b, int g, int64_t m0, float (*acc)[
   W4A8_ROWS_GROUP(W4A8_DOT_BW)
 }
 
+// One row against all groups of block b (a single stream's decode step). The per-group calls
+// above leave one row two dependency chains (low and high nibbles) of back-to-back dot products,
+// each waiting out the previous one's latency (5 cycles for vpdpbusd), and round-trip the
+// accumulators through memory every group. Here the group loop is inside: odd and even quads
+// accumulate in separate registers (integer sums: the same D whatever the order) and the fp32
+// accumulators stay in registers. The fp32 ops and their order are group_epilogue's, so the
+// output is bitwise the same. The next block's weights are prefetched, a line per quad.
+#define W4A8_ONE_ROW_BLOCK(DOT)                                                             \
+  const __m512i low4 = _mm512_set1_epi8(0x0F);                                             \
+  [[maybe_unused]] const __m512i ones16 = _mm512_set1_epi16(1);                            \
+  const int quads = p.G / 4; /* a multiple of 4: G is a multiple of 16 */                  \
+  const int64_t groups = p.K / p.G;                                                        \
+  const uint8_t* wq = p.w + b * (p.K / 4) * kQuadBytes;                                    \
+  const uint8_t* ahead = (b + 1) * kBlockN < p.N ? wq + (p.K / 4) * kQuadBytes : nullptr;  \
+  const int8_t* x = p.xq + m * p.K;                                                        \
+  const float* sa = p.sa + m * groups;                                                     \
+  const float* saS = p.saS + m * groups;                                                   \
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();                           \
+  for (int64_t g = 0; g < groups; ++g) {                                                   \
+    __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();                      \
+    __m512i e0 = _mm512_setzero_si512(), e1 = _mm512_setzero_si512();                      \
+    const int64_t j0 = g * quads;                                                          \
+    for (int j = 0; j < quads; j += 2) {                                                   \
+      const int64_t jj = j0 + j;                                                           \
+      if (ahead != nullptr) {                                                              \
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + jj * kQuadBytes), _MM_HINT_T0);   \
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (jj + 1) * kQuadBytes), _MM_HINT_T0); \
+      }                                                                                    \
+      const __m512i w = _mm512_loadu_si512(wq + jj * kQuadBytes);                          \
+      const __m512i v = _mm512_loadu_si512(wq + (jj + 1) * kQuadBytes);                    \
+      int32_t qa, qb;                                                                      \
+      std::memcpy(&qa, x + 4 * jj, 4);                                                     \
+      std::memcpy(&qb, x + 4 * jj + 4, 4);                                                 \
+      const __m512i xa = _mm512_set1_epi32(qa), xb = _mm512_set1_epi32(qb);                \
+      d0 = DOT(d0, _mm512_and_si512(w, low4), xa);                                         \
+      d1 = DOT(d1, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4), xa);                   \
+      e0 = DOT(e0, _mm512_and_si512(v, low4), xb);                                         \
+      e1 = DOT(e1, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xb);                   \
+    }                                                                                      \
+    const uint16_t* row = p.sz + (g * p.N + b * kBlockN) * 2;                              \
+    __m512 s0, z0, s1, z1;                                                                 \
+    simd::load_pairs(row, s0, z0);                                                         \
+    simd::load_pairs(row + 2 * simd::kLanes, s1, z1);                                      \
+    const __m512 eight = _mm512_set1_ps(8.0f);                                             \
+    const __m512 vsa = _mm512_set1_ps(sa[g]), vsaS = _mm512_set1_ps(saS[g]);               \
+    const __m512 D0 = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, e0));                        \
+    const __m512 D1 = _mm512_cvtepi32_ps(_mm512_add_epi32(d1, e1));                        \
+    const __m512 z80 = _mm512_sub_ps(z0, _mm512_mul_ps(s0, eight));                        \
+    const __m512 z81 = _mm512_sub_ps(z1, _mm512_mul_ps(s1, eight));                        \
+    acc0 = _mm512_add_ps(acc0, _mm512_add_ps(_mm512_mul_ps(D0, _mm512_mul_ps(s0, vsa)),    \
+                                             _mm512_mul_ps(z80, vsaS)));                   \
+    acc1 = _mm512_add_ps(acc1, _mm512_add_ps(_mm512_mul_ps(D1, _mm512_mul_ps(s1, vsa)),    \
+                                             _mm512_mul_ps(z81, vsaS)));                   \
+  }                                                                                        \
+  uint16_t* dst = p.out + m * p.N + b * kBlockN;                                           \
+  tiered_router::store_bf16(dst, acc0);                                                    \
+  tiered_router::store_bf16(dst + simd::kLanes, acc1);
+
+__attribute__((target("avx512vnni"))) void one_row_block_vnni(const Problem& p, int64_t b, int64_t m) {
+  W4A8_ONE_ROW_BLOCK(_mm512_dpbusd_epi32)
+}
+
+void one_row_block_bw(const Problem& p, int64_t b, int64_t m) { W4A8_ONE_ROW_BLOCK(W4A8_DOT_BW) }
+
 // TIERED_ROUTER_NO_VNNI=1 takes the maddubs path on a VNNI host too, so the tests cover both
 // (read at each call: the tests set it after the library is loaded).
 bool use_vnni() {
@@ -347,12 +411,21 @@ at::Tensor w4a8_mm(const at::Tensor& A, const at::Tensor& W, int64_t group_size,
                   N,
                   G};
   const auto& fns = group_fns();
+#if defined(__AVX512F__)
+  const auto one_row = use_vnni() ? &one_row_block_vnni : &one_row_block_bw;
+#endif
   at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRows][kBlockN];
     for (int64_t b = begin; b < end; ++b) {
       // Row tiles inside the block: its weights (16 K bytes) stay in L1 across them.
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+#if defined(__AVX512F__)
+        if (R == 1) {
+          one_row(p, b, m0);
+          continue;
+        }
+#endif
         std::memset(acc, 0, sizeof(acc));
         for (int g = 0; g < groups; ++g) fns[R - 1](p, b, g, m0, acc);
         store_rows(p, b, m0, R, acc);
