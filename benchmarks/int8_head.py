@@ -1,15 +1,18 @@
-"""The medium tier's int8 output head on ``tiered_router::w8_linear`` against torch's
-``_weight_int8pack_mm``, in one process.
+"""The medium tier's int8 output head on three kernels, in one process: torch's
+``_weight_int8pack_mm`` and ``tiered_router::w8_linear`` (bf16 activations) and
+``tiered_router::w8a8_linear`` (activations quantized to int8 per group of 32, as the tier's W4A8
+layers take them: the default).
 
-The default policy's medium tier (int4 in groups of 32, W4A8 body, int8 head) built twice on the
-embedded model; the only difference is the kernel behind the head (49,152 x 576, a third of the
-tier's one-stream step with torch's kernel). Measured, interleaved, medians, on the device thread
-as the service runs them:
+The default policy's medium tier (int4 in groups of 32, W4A8 body, int8 head) built three times on
+the embedded model; the only difference is the head (49,152 x 576). Measured, interleaved,
+medians, on the device thread as the service runs them:
 - the decode step at 1, 4 and 16 sequences over 40-100 tokens of context;
 - the head alone at the same row counts (30 calls cycled over two weight copies, so it is read from
   memory as in a step);
-- what changes in the numbers: both heads on the same hidden states of a fixed English text (this
-  repository's README, first 1,024 tokens) - top-1 agreement and the largest logit difference.
+- what changes in the numbers: the heads on the same hidden states of a fixed English text (this
+  repository's README, first 1,024 tokens) - top-1 agreement with torch's head and the largest logit
+  difference; and greedy agreement with the fp32 tier, teacher-forced on its own continuations of 8
+  chat prompts x 64 tokens (the ladder's measure: ``benchmarks/ladder.py``).
 
 Writes benchmarks/results/int8_head.{json,png}; exits 2 where the kernels are not built.
 
@@ -24,19 +27,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, write_json
+from benchmarks.common import PROMPTS, interleaved_forward_ms, kernels_missing, plot_path, write_json
 
 SHAPES = ("1", "4", "16")
-VARIANTS = ("torch _weight_int8pack_mm", "w8_linear")
+VARIANTS = ("torch _weight_int8pack_mm", "w8_linear", "w8a8_linear (default)")
 TEXT = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _torch_head(head: Any) -> Any:
-    """``head`` (an ``Int8WeightOnlyLinear``) through torch's kernel whatever is built."""
+def _bf16_head(head: Any, op: Any) -> Any:
+    """``head`` (an ``Int8WeightOnlyLinear``) on bf16 activations through ``op``."""
     import torch
 
     q, scale = head.weight_q, head.scale.to(torch.bfloat16)
-    return lambda x: torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, scale)
+    return lambda x: op(x.to(torch.bfloat16).contiguous(), q, scale)
+
+
+def _heads(head: Any) -> dict[str, Any]:
+    import torch
+
+    from tiers import cpu_kernels
+
+    return {
+        VARIANTS[0]: _bf16_head(head, torch._weight_int8pack_mm),
+        VARIANTS[1]: _bf16_head(head, cpu_kernels.w8_linear_op()),
+        VARIANTS[2]: head,
+    }
 
 
 def _runners() -> dict[str, Any]:
@@ -53,8 +68,8 @@ def _runners() -> dict[str, Any]:
             int8_activations=True,
         )
         runner = ModelRunner(loaded, num_blocks=640, max_model_len=512)
-        if name == VARIANTS[0]:
-            runner.lm_head = _torch_head(runner.lm_head)
+        assert runner.lm_head.w8a8_packed is not None  # the default head: W8A8 on the kernel
+        runner.lm_head = _heads(runner.lm_head)[name]
         made[name] = runner
     return made
 
@@ -85,24 +100,24 @@ def _steps(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]
 def _head_alone(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
     import torch
 
-    heads = {name: r.lm_head for name, r in runners.items()}
-    # A second copy of each head's weights: alternating between them, every call reads from memory.
     from tiers.quant import Int8WeightOnlyLinear
 
-    w8 = runners[VARIANTS[1]].lm_head
+    # A second copy of the head: alternating between them, every call reads from memory.
+    default = runners[VARIANTS[2]].model.get_output_embeddings()
     twin = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
     torch.nn.Module.__init__(twin)
-    for key in ("weight_q", "scale", "bias"):
-        value = getattr(w8, key)
-        twin.register_buffer(key, None if value is None else value.clone())
-    twin.in_features, twin.out_features = w8.in_features, w8.out_features
-    copies = {VARIANTS[0]: (heads[VARIANTS[0]], _torch_head(twin)), VARIANTS[1]: (w8, twin)}
+    for key in ("weight_q", "scale", "w8a8_scale"):
+        twin.register_buffer(key, getattr(default, key).clone())
+    twin.bias, twin.in_features, twin.out_features = None, default.in_features, default.out_features
+    twin.int8_activations, twin.group_size = True, default.group_size
+    twin.w8a8_packed = default.w8a8_packed.clone()
+    copies = {name: (_heads(default)[name], _heads(twin)[name]) for name in VARIANTS}
     times: dict[str, dict[str, list[float]]] = {n: {s: [] for s in SHAPES} for n in VARIANTS}
     with torch.inference_mode():
         for _ in range(repeats):
             for name in VARIANTS:
                 for shape in SHAPES:
-                    x = torch.randn(int(shape), w8.in_features).to(torch.bfloat16)
+                    x = torch.randn(int(shape), default.in_features).to(torch.bfloat16)
                     for f in copies[name]:
                         f(x)
                     started = time.perf_counter()
@@ -116,18 +131,67 @@ def _numbers(runners: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     # The hidden states from the runners' own model (HF's forward over the same quantized body).
-    runner = runners[VARIANTS[1]]
+    runner = runners[VARIANTS[0]]
     ids = runner.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids[:, :1024]
     with torch.inference_mode():
         hidden = runner.model.model(ids).last_hidden_state[0].to(torch.bfloat16)
-        a = runners[VARIANTS[0]].lm_head(hidden).float()
-        b = runners[VARIANTS[1]].lm_head(hidden).float()
+        logits = {n: r.lm_head(hidden).float() for n, r in runners.items()}
+    base = logits[VARIANTS[0]]
     return {
         "tokens": int(hidden.shape[0]),
-        "top1_agreement": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4),
-        "max_abs_logit_difference": round((a - b).abs().max().item(), 4),
-        "max_abs_logit": round(a.abs().max().item(), 2),
+        "max_abs_logit": round(base.abs().max().item(), 2),
+        "vs_torch": {
+            n: {
+                "top1_agreement": round((base.argmax(-1) == v.argmax(-1)).float().mean().item(), 4),
+                "max_abs_logit_difference": round((base - v).abs().max().item(), 4),
+            }
+            for n, v in logits.items()
+            if n != VARIANTS[0]
+        },
     }
+
+
+def _greedy_agreement(runners: dict[str, Any]) -> dict[str, float]:
+    """Each variant's top-1 against the fp32 tier's greedy continuation of 8 chat prompts."""
+    import torch
+
+    from tiers.block_manager import BlockTable
+    from tiers.loading import load_model
+    from tiers.model_runner import ModelRunner, RowInput
+
+    ref = ModelRunner(
+        load_model("embedded:smollm2-135m-instruct", dtype="float32"), num_blocks=64, max_model_len=512
+    )
+    tables = {}
+    for r in [ref, *runners.values()]:
+        t = BlockTable()
+        assert r.blocks.allocate(t, 512)
+        tables[id(r)] = t.blocks
+    agree = {n: 0 for n in runners}
+    total = 0
+    with torch.inference_mode():
+        for prompt in PROMPTS[:8]:
+            chat = [{"role": "user", "content": prompt}]
+            ids = list(
+                ref.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)[
+                    "input_ids"
+                ]
+            )
+            toks = list(ids)
+            logits = ref.forward([RowInput(tables[id(ref)], 0, toks, "last")])[0]
+            gen = []
+            for _ in range(64):
+                assert logits is not None
+                gen.append(int(logits[-1].argmax()))
+                logits = ref.forward([RowInput(tables[id(ref)], len(toks), gen[-1:], "last")])[0]
+                toks.append(gen[-1])
+            total += 64
+            for name, r in runners.items():
+                out = r.forward([RowInput(tables[id(r)], 0, toks, "all")])[0]
+                assert out is not None
+                pred = out[len(ids) - 1 : len(ids) - 1 + 64].argmax(-1).tolist()
+                agree[name] += sum(a == b for a, b in zip(pred, gen, strict=True))
+    return {n: round(a / total, 4) for n, a in agree.items()}
 
 
 def main() -> int:
@@ -137,21 +201,26 @@ def main() -> int:
     from tiers import cpu_kernels
     from tiers.device import DeviceWorker
 
-    if kernels_missing(cpu_kernels.w8_linear_op()):
+    if kernels_missing(cpu_kernels.w8a8_linear_op()):
         return 2
     worker = DeviceWorker()  # the thread the service's tiers run on
     runners = worker.call(_runners)
     step_ms = worker.call(lambda: _steps(runners, args.repeats))
     head_ms = worker.call(lambda: _head_alone(runners, args.repeats))
     numbers = worker.call(lambda: _numbers(runners))
+    numbers["greedy_agreement_with_fp32"] = worker.call(lambda: _greedy_agreement(runners))
     worker.stop()
-    base, new = VARIANTS
+    base = VARIANTS[0]
     data = {
         "isa": cpu_kernels.host_isa(),
         "step_ms": step_ms,
-        "step_speedup": {s: round(step_ms[base][s] / step_ms[new][s], 2) for s in SHAPES},
+        "step_speedup_vs_torch": {
+            n: {s: round(step_ms[base][s] / step_ms[n][s], 2) for s in SHAPES} for n in VARIANTS[1:]
+        },
         "head_ms": head_ms,
-        "head_speedup": {s: round(head_ms[base][s] / head_ms[new][s], 2) for s in SHAPES},
+        "head_speedup_vs_torch": {
+            n: {s: round(head_ms[base][s] / head_ms[n][s], 2) for s in SHAPES} for n in VARIANTS[1:]
+        },
         "numbers": numbers,
     }
     print(data)
@@ -166,26 +235,31 @@ def _plot(data: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     xs = range(len(SHAPES))
+    width = 0.27
     for ax, key, title in (
         (axes[0], "step", "medium tier decode step"),
         (axes[1], "head", "output head alone"),
     ):
-        for off, name in zip((-0.2, 0.2), VARIANTS, strict=True):
-            ax.bar([x + off for x in xs], [data[f"{key}_ms"][name][s] for s in SHAPES], 0.4, label=name)
-        for x, s in zip(xs, SHAPES, strict=True):
-            top = data[f"{key}_ms"][VARIANTS[0]][s]
-            ax.text(x, top, f"{data[f'{key}_speedup'][s]}x", ha="center", va="bottom", fontsize=8)
+        for i, name in enumerate(VARIANTS):
+            off = (i - 1) * width
+            ax.bar([x + off for x in xs], [data[f"{key}_ms"][name][s] for s in SHAPES], width, label=name)
+            if i:
+                for x, s in zip(xs, SHAPES, strict=True):
+                    speed = data[f"{key}_speedup_vs_torch"][name][s]
+                    ax.text(
+                        x + off, data[f"{key}_ms"][name][s], f"{speed}x", ha="center", va="bottom", fontsize=7
+                    )
         ax.set_xticks(list(xs), [f"{s} seq" for s in SHAPES])
         ax.set_ylabel("ms")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    n = data["numbers"]
+    agree = data["numbers"]["greedy_agreement_with_fp32"]
     fig.suptitle(
-        f"int8 head: w8_linear vs torch ({data['isa']}); top-1 agreement {n['top1_agreement']:.2%} "
-        f"on {n['tokens']} tokens",
-        fontsize=10,
+        f"medium tier's int8 head ({data['isa']}); greedy agreement with fp32: "
+        + ", ".join(f"{n.split()[0]} {a:.1%}" for n, a in agree.items()),
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(plot_path("int8_head"), dpi=120)

@@ -49,6 +49,7 @@ __all__ = [
     "rope_kv_write_op",
     "w4a8_mm_op",
     "w8_linear_op",
+    "w8a8_linear_op",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,14 @@ def w8_linear_op() -> Any | None:
     rounded to bf16 - ``torch._weight_int8pack_mm``'s numerics up to the order of the sums, and
     batch-invariant (w8_linear.cpp) - when built and applicable here, else ``None``."""
     return torch.ops.tiered_router.w8_linear if _library_loaded() else None
+
+
+def w8a8_linear_op() -> Any | None:
+    """``torch.ops.tiered_router.w8a8_linear(a, w, group_size, scale)``: int8 weights in
+    ``tiers.quant.pack_w8a8``'s layout with one fp32 scale per output channel times bf16
+    activations quantized to int8 per group (w8a8_linear.cpp; bitwise ``tiers.quant.w8a8_reference``),
+    when built and applicable here, else ``None``."""
+    return torch.ops.tiered_router.w8a8_linear if _library_loaded() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,12 +47,15 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
             return fused
         return PackedFp32Linear(fused, None if first.invariant else first.backend, invariant=first.invariant)
     if isinstance(first, Int8WeightOnlyLinear):
+        if any(m.int8_activations for m in mods):
+            return None  # W8A8 serves output heads only, which are never fused
         out = Int8WeightOnlyLinear.__new__(Int8WeightOnlyLinear)
         nn.Module.__init__(out)
         out.register_buffer("weight_q", torch.cat([m.weight_q for m in mods]))
         out.register_buffer("scale", torch.cat([m.scale for m in mods]))
         out.register_buffer("bias", bias)
         out.in_features, out.out_features = first.in_features, out_features
+        out.int8_activations, out.group_size, out.w8a8_packed = False, first.group_size, None
         return out
     if isinstance(first, Int4WeightOnlyLinear):
         if any(

@@ -30,8 +30,10 @@ __all__ = [
     "cpu_is_intel",
     "direct_kernel",
     "pack_w4a8",
+    "pack_w8a8",
     "quantize_model",
     "w4a8_reference",
+    "w8a8_reference",
 ]
 
 QuantMethod = Literal["none", "int8", "int4"]
@@ -39,13 +41,20 @@ QuantMethod = Literal["none", "int8", "int4"]
 
 class Int8WeightOnlyLinear(nn.Module):
     """Symmetric per-output-channel int8 weights; ``y = (x @ q.T) * scale``. On the CPU with bf16
-    activations ``tiered_router::w8_linear`` where built (batch-invariant), else ``_weight_int8pack_mm``."""
+    activations ``tiered_router::w8_linear`` where built (batch-invariant), else ``_weight_int8pack_mm``.
+
+    ``int8_activations``: W8A8 numerics instead - each row's activations quantized to int8 per
+    group of ``group_size`` inputs, exact integer dot products (``w8a8_reference``; the kernel
+    ``tiered_router::w8a8_linear`` where built). For the output head of a tier whose int4 layers
+    already take int8 activations (the medium tier): its 49,152 x 576 head is a sixth of the
+    one-stream step on ``w8_linear``, which spends an fp32 multiply-add per weight."""
 
     weight_q: torch.Tensor
     scale: torch.Tensor
+    w8a8_scale: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, *, int8_activations: bool = False, group_size: int = 32) -> None:
         super().__init__()
         w = linear.weight.detach().to(torch.float32)
         # scale: [out] so that max |w| of each row maps to 127.
@@ -55,11 +64,32 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.int8_activations = int8_activations
+        self.group_size = group_size
+        self.w8a8_packed: torch.Tensor | None = None
+        if int8_activations:
+            if self.in_features % group_size or group_size % 16 or group_size > 1024:
+                raise ValueError(
+                    f"W8A8 needs a group size dividing {self.in_features}, a multiple of 16, <= 1024"
+                )
+            # The scale the bf16-activation kernels apply (rounded to bf16), in fp32 for the kernel.
+            self.register_buffer("w8a8_scale", scale.to(torch.bfloat16).float())
+            fits = self.out_features % W8A8_ALIGN == 0 and self.in_features % 4 == 0
+            if fits and linear.weight.device.type == "cpu" and _w8a8_op() is not None:
+                self.w8a8_packed = pack_w8a8(self.weight_q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if self.int8_activations:
+            op = _w8a8_op() if self.w8a8_packed is not None and x.device.type == "cpu" else None
+            scale = self.w8a8_scale.float()  # a model-wide ``.to(bfloat16)`` rounds it losslessly
+            if op is not None:
+                y = op(x2.to(torch.bfloat16).contiguous(), self.w8a8_packed, self.group_size, scale)
+            else:
+                y = w8a8_reference(x2, self.weight_q, self.group_size, scale)
+            y = y.to(x.dtype)
+        elif x.device.type == "cpu" and x.dtype == torch.bfloat16:
             op = _w8_linear_op() or torch._weight_int8pack_mm
             y = op(x2.contiguous(), self.weight_q, self.scale.to(x.dtype))
         else:
@@ -67,6 +97,50 @@ class Int8WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+W8A8_ALIGN = 64
+"""Output channels ``tiered_router::w8a8_linear`` takes in whole multiples of (its widest task)."""
+
+
+def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
+    """int8 values ``q: [N, K]`` in ``tiered_router::w8a8_linear``'s layout ``uint8 [N / 16, K / 4,
+    64]``: per block of 16 output channels and 4 inputs, byte ``4c + i`` holds ``q[16b + c, 4j + i]
+    + 128`` (w8a8_linear.cpp)."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, k // 4, 4)
+    return u.permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` as int8 values per group of ``group_size`` (quantize_rows.h's arithmetic):
+    ``xq: [M, K / G, G]`` (integers in fp32) and ``sa: [M, K / G]``, the group's scale."""
+    m, k = x.shape
+    xf = x.to(torch.bfloat16).float().reshape(m, k // group_size, group_size)
+    amax = xf.abs().amax(-1)
+    # torch's ``127.0 / t`` is ``t.reciprocal() * 127`` (two roundings); the kernel divides once.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[..., None]), amax / 127.0
+
+
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, group_size: int, scale: torch.Tensor) -> torch.Tensor:
+    """int8 weights ``q: [N, K]`` with fp32 ``scale: [N]`` times activations quantized to int8 per
+    group, in torch ops: bitwise what ``tiered_router::w8a8_linear`` computes, on any device. The
+    integer dot products run as fp32 matmuls: every partial sum is an integer below 2^24 (G <= 1024),
+    so they are exact in any summation order."""
+    n, g = q.shape[0], group_size
+    xq, sa = quantize_activations(x, g)
+    dots = torch.einsum("mgi,ngi->mgn", xq, q.float().reshape(n, -1, g))
+    acc = torch.zeros(x.shape[0], n, device=x.device)
+    for j in range(xq.shape[1]):  # in group order, one rounding per op, as the kernel
+        acc = acc + dots[:, j] * sa[:, j, None]
+    return (acc * scale.float()).to(torch.bfloat16)
+
+
+def _w8a8_op() -> Any | None:
+    from tiers.cpu_kernels import w8a8_linear_op
+
+    return w8a8_linear_op()
 
 
 INT4_CPU_PACK_BLOCK = 64
@@ -138,15 +212,10 @@ def w4a8_reference(x: torch.Tensor, q: torch.Tensor, group_size: int, sz: torch.
     ``x: [M, K]`` (rounded to bf16 first, as the kernel takes it), ``q: [N, K]`` int4 values,
     ``sz: bf16 [K / G, N, 2]`` (scale, zero). The integer dot products run as fp32 matmuls: every
     product and partial sum is an integer below 2^24, so they are exact in any summation order."""
-    m, k = x.shape
+    m = x.shape[0]
     n, g = q.shape[0], group_size
-    groups = k // g
-    xf = x.to(torch.bfloat16).float().reshape(m, groups, g)
-    amax = xf.abs().amax(-1)
-    # torch's ``127.0 / t`` is ``t.reciprocal() * 127`` (two roundings); the kernel divides once.
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    sa = amax / 127.0
-    xq = torch.round(xf * inv[..., None])
+    groups = x.shape[1] // g
+    xq, sa = quantize_activations(x, g)
     sa_sum = sa * xq.sum(-1)
     dots = torch.einsum("mgi,ngi->mgn", xq, q.float().reshape(n, groups, g))
     scale = sz[..., 0].float()
@@ -260,7 +329,11 @@ def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
         and dtype == torch.bfloat16
     ):
         return _int4_cpu_call(int(mod.out_features), mod.weight_q, mod.group_size, mod.scales_and_zeros)
-    w8 = _w8_linear_op() if isinstance(mod, Int8WeightOnlyLinear) else None
+    w8a8 = _w8a8_op() if isinstance(mod, Int8WeightOnlyLinear) and mod.w8a8_packed is not None else None
+    if w8a8 is not None and mod.bias is None and dtype == torch.bfloat16:
+        packed, group, s32 = mod.w8a8_packed, mod.group_size, mod.w8a8_scale.float()
+        return lambda x: w8a8(x.contiguous(), packed, group, s32)
+    w8 = _w8_linear_op() if isinstance(mod, Int8WeightOnlyLinear) and not mod.int8_activations else None
     if w8 is not None and mod.bias is None and dtype == torch.bfloat16 and mod.weight_q.device.type == "cpu":
         q, scale = mod.weight_q, mod.scale.to(torch.bfloat16)
         return lambda x: w8(x.contiguous(), q, scale)
@@ -280,6 +353,10 @@ def _untie_head(model: Any) -> None:
             model.config.tie_word_embeddings = False
 
 
+def _w8a8_fits(linear: nn.Linear, group_size: int) -> bool:
+    return linear.in_features % group_size == 0 and group_size % 16 == 0 and group_size <= 1024
+
+
 def quantize_model(
     model: nn.Module,
     method: QuantMethod,
@@ -291,7 +368,8 @@ def quantize_model(
     """Rewrite every ``nn.Linear`` in place (the output head included, untied from the embedding).
 
     The output head gets int8 under ``int4`` unless ``int4_head``: it is one matrix but decides
-    every token. ``int8_activations``: the int4 linears use W4A8 numerics (``Int4WeightOnlyLinear``).
+    every token. ``int8_activations``: the int4 linears use W4A8 numerics (``Int4WeightOnlyLinear``)
+    and an int8 head W8A8 (``Int8WeightOnlyLinear``).
     """
     if method == "none":
         return model
@@ -302,7 +380,12 @@ def quantize_model(
                 continue
             is_head = child is getattr(model, "lm_head", None)
             if method == "int8" or (is_head and not int4_head):
-                setattr(parent, name, Int8WeightOnlyLinear(child))
+                # A head beside W4A8 layers takes int8 activations too, in groups of the tier's
+                # size where they divide its inputs (``Int8WeightOnlyLinear``).
+                w8a8 = int8_activations and is_head and _w8a8_fits(child, group_size)
+                setattr(
+                    parent, name, Int8WeightOnlyLinear(child, int8_activations=w8a8, group_size=group_size)
+                )
             elif child.in_features % group_size == 0:
                 q4 = Int4WeightOnlyLinear(child, group_size, int8_activations=int8_activations)
                 setattr(parent, name, q4)

@@ -65,7 +65,9 @@ class TierConfig:
     activation_quantization: Literal["none", "int8"] = "none"
     """int4: ``int8`` quantizes each row's activations to int8 per weight group at run time (W4A8,
     llama.cpp's Q8 activations) and runs integer dot products: ~2.5x faster int4 projections on
-    the CPU, with W4A8 numbers rather than the bf16 ones. ``none``: bf16 activations."""
+    the CPU, with W4A8 numbers rather than the bf16 ones; an int8 head (``quantize_head: false``)
+    then takes int8 activations too (W8A8, ``tiers.quant.Int8WeightOnlyLinear``). ``none``: bf16
+    activations."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``..."""
     max_num_seqs: int = 16

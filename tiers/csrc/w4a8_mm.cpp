@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "quantize_rows.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -47,69 +48,6 @@ namespace simd = tiered_router::simd;
 
 constexpr int kBlockN = 32;   // output channels per packed block (one task)
 constexpr int kQuadBytes = 64;  // bytes per (block, k-quad)
-
-// Quantize rows [m0, m1) of A (bf16 [M, K]) per group of G: xq int8 [M, K], sa and saS [M, K / G].
-void quantize_rows(const uint16_t* a, int64_t K, int G, int64_t m0, int64_t m1, int8_t* xq, float* sa,
-                   float* saS) {
-  const int64_t groups = K / G;
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint16_t* src = a + m * K + g * G;
-      int8_t* dst = xq + m * K + g * G;
-#if defined(__AVX512F__)
-      __m512 vmax = _mm512_setzero_ps();
-      for (int i = 0; i < G; i += 16) {
-        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
-      }
-      const float amax = _mm512_reduce_max_ps(vmax);
-#else
-      __m256 vmax = _mm256_setzero_ps();
-      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-      for (int i = 0; i < G; i += 8) {
-        const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16));
-        vmax = _mm256_max_ps(vmax, _mm256_and_ps(x, absmask));
-      }
-      float lanes[8];
-      _mm256_storeu_ps(lanes, vmax);
-      float amax = 0.0f;
-      for (float v : lanes) amax = std::max(amax, v);
-#endif
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const float scale = amax / 127.0f;
-      sa[m * groups + g] = scale;
-      int32_t sum = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      __m512i vsum = _mm512_setzero_si512();
-      for (int i = 0; i < G; i += 16) {
-        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
-        // cvtps rounds by MXCSR: to nearest even, as torch.round.
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(x, vinv));
-        vsum = _mm512_add_epi32(vsum, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(q));
-      }
-      sum = _mm512_reduce_add_epi32(vsum);
-#else
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (int i = 0; i < G; i += 8) {
-        const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16));
-        int32_t q[8];
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_cvtps_epi32(_mm256_mul_ps(x, vinv)));
-        for (int j = 0; j < 8; ++j) {
-          dst[i + j] = static_cast<int8_t>(q[j]);
-          sum += q[j];
-        }
-      }
-#endif
-      saS[m * groups + g] = scale * static_cast<float>(sum);
-    }
-  }
-}
 
 struct Problem {
   const int8_t* xq;     // [M, K]
@@ -398,7 +336,7 @@ at::Tensor w4a8_mm(const at::Tensor& A, const at::Tensor& W, int64_t group_size,
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   // Rows are independent; below ~64 rows one thread quantizes faster than waking another.
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    quantize_rows(ap, K, G, m0, m1, xq.data(), sa.data(), saS.data());
+    tiered_router::quantize_rows(ap, K, G, m0, m1, xq.data(), sa.data(), saS.data(), nullptr);
   });
 
   const Problem p{xq.data(),
