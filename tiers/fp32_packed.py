@@ -96,7 +96,7 @@ class PackedFp32Linear(nn.Module):
     decode step in-process went from 47 to 35 ms at 4 sequences and 66 to 53 ms at 16. Outside 4-16
     rows MKL's packed kernel measured no better (1-3 rows) or worse (from 17 rows; the head at 80
     rows 29 vs 18 ms on an earlier Intel VM; on the AVX512/AMX Xeon VM packed was at parity at 1-2
-    rows and 1-2 rows, faster to 64 rows and slower at 256: 112 vs 72 ms for the head), so without
+    rows, faster from 4 to 64 rows and slower at 256: 112 vs 72 ms for the head), so without
     ``invariant`` those calls keep the plain weight. oneDNN (other vendors) won at every row count
     (``fp32_gemm_backend``), so it serves all of them, except up to ``F32_GEMV_MAX_ROWS`` rows where
     this project's memory-speed kernel reads the plain weight faster (not with ``invariant``: a
