@@ -14,7 +14,9 @@ Pairs compared: small and medium against llama-q4_1, large (fp32) against llama-
 Workload: 12 chat prompts, greedy (temperature 0), 64 tokens with ``ignore_eos`` (both servers
 accept it), streamed over SSE and read by the same httpx client, at concurrency 1, 4 and 16
 (max(12, 2c) requests per level, prompts cycled). Levels run interleaved across targets (for
-each concurrency, every target in turn) so drift on a shared machine hits all of them alike.
+each concurrency, every target in turn, in ``--rounds`` rotations that each start one target
+later) so drift on a shared machine hits all of them alike; the run with the median tok/s stands
+for each target and level, every round's tok/s recorded beside it.
 Per target and level: aggregate tok/s (completion tokens / wall time), TTFT p50/p99 (request
 sent -> first non-empty content delta), e2e p50, and the RSS of the server's process tree
 (peak during the level). Ratios: ours / llama.cpp for tok/s (higher is better) and for TTFT
@@ -77,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default=str(ROOT / "policies/default.yaml"))
     p.add_argument("--concurrency", default="1,4,16", type=_int_list, help="comma-separated levels")
     p.add_argument("--prompts", type=int, default=12)
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rotations of the targets per level (the median run is kept)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--parallel", type=int, default=16, help="llama-server --parallel (slots)")
@@ -129,6 +134,18 @@ def summarize(samples: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "ttft_p99_s": percentile([s["ttft_s"] for s in ok], 0.99),
         "e2e_p50_s": percentile([s["e2e_s"] for s in ok], 0.5),
     }
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median tok/s stands for the level (its TTFTs and RSS with it), with every
+    round's tok/s beside it and the speculative counters summed over the rounds."""
+    ranked = sorted(runs, key=lambda r: r["tok_per_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    out["tok_per_s_rounds"] = [round(r["tok_per_s"], 1) for r in runs]
+    specs = [r["speculative"] for r in runs if "speculative" in r]
+    if specs:
+        out["speculative"] = {k: sum(sp.get(k, 0.0) for sp in specs) for k in specs[0]}
+    return out
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -709,21 +726,28 @@ def main(argv: list[str] | None = None) -> None:
         for t in order:
             warm_up(by_target[t], t, prompts, args)
         for c in args.concurrency:
-            for t in order:
-                srv = by_target[t]
-                others = [o for o in started if o is not srv]
-                before = spec_counters(admin_port, t) if t in TIERS else None
-                r = measure(srv, t, prompts, c, args, others)
-                if before is not None:
-                    after = spec_counters(admin_port, t)
-                    r["speculative"] = {k: after[k] - before.get(k, 0.0) for k in after}
-                results.setdefault(t, {})[str(c)] = r
-                print(
-                    f"c={c:<3} {t:<11} {r['tok_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_s'] * 1000:7.0f} ms"
-                    f"  p99 {r['ttft_p99_s'] * 1000:7.0f} ms  RSS {r['rss_peak_mb']:6.0f} MB"
-                    f"  errors {r['errors']}" + (f"  spec {r['speculative']}" if "speculative" in r else ""),
-                    flush=True,
-                )
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in order}
+            for rnd in range(args.rounds):
+                # Each round starts one target later, so no target always runs first or last.
+                for t in order[rnd % len(order) :] + order[: rnd % len(order)]:
+                    srv = by_target[t]
+                    others = [o for o in started if o is not srv]
+                    before = spec_counters(admin_port, t) if t in TIERS else None
+                    r = measure(srv, t, prompts, c, args, others)
+                    if before is not None:
+                        after = spec_counters(admin_port, t)
+                        r["speculative"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    runs[t].append(r)
+                    print(
+                        f"c={c:<3} {t:<11} {r['tok_per_s']:7.1f} tok/s"
+                        f"  TTFT p50 {r['ttft_p50_s'] * 1000:7.0f} ms"
+                        f"  p99 {r['ttft_p99_s'] * 1000:7.0f} ms  RSS {r['rss_peak_mb']:6.0f} MB"
+                        f"  errors {r['errors']}"
+                        + (f"  spec {r['speculative']}" if "speculative" in r else ""),
+                        flush=True,
+                    )
+            for t, rs in runs.items():
+                results.setdefault(t, {})[str(c)] = median_run(rs)
         for s in started:
             info[s.name]["vm_hwm_mb"] = round(_status_kb(s.pid, "VmHWM") / 1024, 1)
 
@@ -748,7 +772,8 @@ def main(argv: list[str] | None = None) -> None:
             "client": "httpx.AsyncClient, SSE, same code for both servers",
             "concurrency": args.concurrency,
             "requests_per_level": {str(c): num_requests(len(prompts), c) for c in args.concurrency},
-            "order": "interleaved: for each concurrency, every target in turn",
+            "order": "interleaved: for each concurrency, every target in turn, --rounds rotations",
+            "rounds": args.rounds,
             "headers": HEADERS,
         },
         "llama_cpp": {
