@@ -68,7 +68,9 @@ def _f32_gemv_op() -> Any | None:
     return f32_linear_op()
 
 
-Fp32Backend = Literal["mkl", "onednn"]
+Fp32Backend = Literal["mkl", "onednn", "kernel"]
+"""A packed GEMM library, or ``kernel``: this project's ``tiered_router::f32_linear`` at every row
+count (the last resort of a batch-invariant linear; no packed copy)."""
 
 
 def fp32_gemm_backend() -> Fp32Backend:
@@ -81,7 +83,7 @@ def fp32_gemm_backend() -> Fp32Backend:
     On the Intel Xeon VMs of earlier runs MKL was the faster one (a oneDNN decode step at one row
     measured 42 vs 32 ms), so Intel keeps it. A fixed rule rather than timing both at load: the
     kernel, and so the last bits of every logit, must not change from one start to the next."""
-    return "mkl" if cpu_is_intel() or not onednn_fp32_supported() else "onednn"
+    return "mkl" if cpu_is_intel() or not onednn_fp32_supported() else "onednn"  # never "kernel"
 
 
 class PackedFp32Linear(nn.Module):
@@ -124,22 +126,36 @@ class PackedFp32Linear(nn.Module):
         self.bias = linear.bias
         preferred: Fp32Backend = backend or fp32_gemm_backend()
         self._pack(preferred)
-        if invariant and backend is None and not is_batch_invariant(self):
-            other: Fp32Backend = "onednn" if preferred == "mkl" else "mkl"
+        if not invariant or backend is not None or is_batch_invariant(self):
+            return
+        # The other library, then this project's GEMV at every row count: batch-invariant by
+        # construction (f32_gemv.cpp), but it streams the weight again for every 4-6 rows, so a
+        # long prompt chunk costs several times the library's GEMM.
+        fallbacks: list[Fp32Backend] = ["onednn" if preferred == "mkl" else "mkl", "kernel"]
+        for other in fallbacks:
             if _supported(other):
                 self._pack(other)
                 if is_batch_invariant(self):
+                    log.info(
+                        "fp32 %d x %d linear: %s, the batch-invariant choice here", *self._shape(), other
+                    )
                     return
-                self._pack(preferred)
-            log.warning(
-                "no fp32 GEMM gives a %d x %d linear the same bits alone and batched on this CPU; "
-                "greedy answers of this tier may depend on other traffic",
-                self.out_features,
-                self.in_features,
-            )
+        self._pack(preferred)
+        log.warning(
+            "no fp32 GEMM gives a %d x %d linear the same bits alone and batched on this CPU; "
+            "greedy answers of this tier may depend on other traffic",
+            *self._shape(),
+        )
+
+    def _shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def _pack(self, backend: Fp32Backend) -> None:
         self.backend: Fp32Backend = backend
+        if backend == "kernel":
+            self.packed_rows, self.gemv_max_rows = range(0), 1 << 62
+            self.weight_packed = None
+            return
         every = self.invariant or backend == "onednn"
         self.packed_rows = self.EVERY_ROW_COUNT if every else self.MKL_PACKED_ROWS
         self.gemv_max_rows = F32_GEMV_MAX_ROWS if backend == "onednn" and not self.invariant else 0
@@ -197,6 +213,9 @@ def direct_call(mod: PackedFp32Linear) -> Any:
     """``mod``'s kernel as one call on 2-D fp32 activations (``quant.direct_kernel``): the same op on
     the same tensors as ``forward``, so bitwise the module's, without its reshapes."""
     packed, weight, bias = mod.weight_packed, mod.weight.detach(), mod.bias
+    if mod.backend == "kernel":
+        kernel = _f32_gemv_op()
+        return mod.forward if kernel is None else lambda x: kernel(x.contiguous(), weight, bias)
     if mod.backend == "mkl":
         if mod.packed_rows is not mod.EVERY_ROW_COUNT:
             return mod.forward
@@ -214,6 +233,8 @@ def direct_call(mod: PackedFp32Linear) -> Any:
 
 
 def _supported(backend: Fp32Backend) -> bool:
+    if backend == "kernel":
+        return _f32_gemv_op() is not None
     return packed_fp32_supported() if backend == "mkl" else onednn_fp32_supported()
 
 

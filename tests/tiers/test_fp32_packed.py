@@ -144,20 +144,49 @@ def test_the_invariance_check_catches_a_row_count_switch() -> None:
     assert fp32_packed._invariance_seen[(backend, 80, 96, True)] == verdict
 
 
-def test_a_linear_whose_library_fails_the_check_takes_the_other_or_warns(
+def test_a_linear_whose_library_fails_the_check_takes_the_next_or_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The library is chosen by the check, not by vendor: catches a linear that keeps a
-    non-invariant preferred library when the other passes, or stays silent when neither does."""
+    non-invariant preferred library when the other passes, skips the project's GEMV as the last
+    resort, or stays silent when nothing passes."""
     if not (fp32_packed._supported("mkl") and fp32_packed._supported("onednn")):
         pytest.skip("both packed GEMMs are needed")
     monkeypatch.setattr(fp32_packed, "fp32_gemm_backend", lambda: "mkl")
-    verdicts = {"mkl": False, "onednn": True}
+    verdicts = {"mkl": False, "onednn": True, "kernel": True}
     monkeypatch.setattr(fp32_packed, "is_batch_invariant", lambda m: verdicts[m.backend])
     assert PackedFp32Linear(nn.Linear(64, 64), invariant=True).backend == "onednn"
     assert PackedFp32Linear(nn.Linear(64, 64)).backend == "mkl"  # not invariant: no check
     verdicts["onednn"] = False
+    if fp32_packed._supported("kernel"):
+        mod = PackedFp32Linear(nn.Linear(64, 64), invariant=True)
+        assert mod.backend == "kernel" and mod.weight_packed is None
+    verdicts["kernel"] = False
     with caplog.at_level(logging.WARNING, logger="tiers.fp32_packed"):
         mod = PackedFp32Linear(nn.Linear(64, 64), invariant=True)
     assert mod.backend == "mkl" and mod.packed_rows is PackedFp32Linear.EVERY_ROW_COUNT
     assert "may depend on other traffic" in caplog.text
+
+
+def test_the_last_resort_runs_the_gemv_at_every_row_count() -> None:
+    """``kernel``: ``tiered_router::f32_linear`` for every row count, through the module and the
+    fast path's direct call - batch-invariant bit for bit, within fp32 rounding of fp64, and no
+    packed copy held. Catches a fallback that still routes some row counts to a library."""
+    from tiers.quant import direct_kernel
+
+    if not fp32_packed._supported("kernel"):
+        pytest.skip("the CPU kernels are not built on this host")
+    torch.manual_seed(2)
+    lin = nn.Linear(576, 192, bias=True)
+    mod = PackedFp32Linear(lin, "kernel", invariant=True)
+    direct = direct_kernel(mod, torch.float32)
+    x = torch.randn(70, 576)
+    with torch.no_grad():
+        alone = torch.cat([mod(x[i : i + 1]) for i in range(70)])
+        for rows in (2, 5, 17, 70):
+            assert torch.equal(mod(x[:rows]), alone[:rows]), rows
+            assert torch.equal(direct(x[:rows]), alone[:rows]), rows
+        ref = x.double() @ lin.weight.detach().double().T + lin.bias.detach().double()
+        assert (alone.double() - ref).abs().max() < 1e-4
+    assert _ran(lambda: mod(x), "tiered_router::f32_linear")
+    assert not _ran_packed_gemm(lambda: mod(x), "mkl") and not _ran_packed_gemm(lambda: mod(x), "onednn")
