@@ -56,10 +56,33 @@ void attend(const TQ* q, const TKV* pool, const int64_t* table, int64_t visible,
     const int64_t block = table[j / g.block_size];
     return pool + (block * g.block_size + j % g.block_size) * token_stride + kv_head * g.dim;
   };
-  // Scores, one fp32 dot product per head and key.
+  // Scores, one fp32 dot product per head and key. Keys go kU at a time: their dot products and
+  // lane reductions are independent chains the core overlaps (one key at a time, each reduction
+  // waited for the last FMA). Every score is the same chain of operations either way.
+  constexpr int kU = DV <= 4 ? 4 : 2;
   float top[G];
   for (int64_t h = 0; h < G; ++h) top[h] = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) {
+  int64_t j0 = 0;
+  for (; j0 + kU <= visible; j0 += kU) {
+    vf kv[kU][DV];
+    for (int u = 0; u < kU; ++u) {
+      const TKV* k = key_at(j0 + u);
+      for (int64_t d = 0; d < dv; ++d) kv[u][d] = simd::load(k + d * kLanes);
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      float s[kU];
+      for (int u = 0; u < kU; ++u) {
+        vf acc = simd::mul(qv[h][0], kv[u][0]);
+        for (int64_t d = 1; d < dv; ++d) acc = simd::fmadd(qv[h][d], kv[u][d], acc);
+        s[u] = simd::reduce_add(acc) * g.scale;
+      }
+      for (int u = 0; u < kU; ++u) {
+        scores[h * visible + j0 + u] = s[u];
+        top[h] = std::max(top[h], s[u]);
+      }
+    }
+  }
+  for (int64_t j = j0; j < visible; ++j) {
     const TKV* k = key_at(j);
     vf kv[DV];
     for (int64_t d = 0; d < dv; ++d) kv[d] = simd::load(k + d * kLanes);
