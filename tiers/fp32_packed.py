@@ -15,7 +15,8 @@ by row count. Measured on an Intel Xeon (AVX512, AMX) VM, a row alone vs inside 
   4.9e-5 apart alone vs beside 7 decodes.
 So an invariant linear takes one packed GEMM at every row count, and the library is chosen by
 checking the property on this CPU (``is_batch_invariant``: once per shape and library, on the
-layer's own weight) rather than assumed by vendor.
+layer's own weight) rather than assumed by vendor: the faster library, else the other, else this
+project's ``f32_linear`` at every row count (invariant by construction, slower on long chunks).
 """
 
 from __future__ import annotations
