@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--f32-gguf", help="use this F32 GGUF instead of writing one")
     p.add_argument("--policy", default=str(ROOT / "policies/default.yaml"))
+    p.add_argument(
+        "--baseline",
+        help="a checkout of an earlier commit (its kernels built there): its service runs beside this "
+        "one, each tier also measured as '<tier>@base' in the same rotations",
+    )
     p.add_argument("--concurrency", default="1,4,16", type=_int_list, help="comma-separated levels")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument(
@@ -226,7 +231,14 @@ class Server:
     """A server subprocess in its own session (so the whole group is stopped), logging to a file."""
 
     def __init__(
-        self, name: str, cmd: list[str], ready_path: str, port: int, logdir: Path, env: dict | None = None
+        self,
+        name: str,
+        cmd: list[str],
+        ready_path: str,
+        port: int,
+        logdir: Path,
+        env: dict | None = None,
+        cwd: Path = ROOT,
     ):
         self.name, self.cmd, self.port = name, cmd, port
         self.url = f"http://127.0.0.1:{port}"
@@ -234,7 +246,7 @@ class Server:
         self.log = logdir / f"{name}.log"
         self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=self._logf, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=cwd, env=env, stdout=self._logf, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.started = time.monotonic()
         self.ready_s: float | None = None
@@ -487,7 +499,7 @@ def spec_counters(admin_port: int, tier: str) -> dict[str, float]:
 
 def body(target: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     return {
-        "model": target if target in TIERS else "default",
+        "model": tier_of(target) or "default",
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -498,6 +510,25 @@ def body(target: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 HEADERS = {"Cache-Control": "no-cache"}
+
+BASE = "@base"
+"""Suffix of a tier served by the ``--baseline`` checkout."""
+
+
+def tier_of(target: str) -> str | None:
+    """The tier a target asks for (``small`` for ``small`` and ``small@base``), None for llama.cpp."""
+    tier = target.removesuffix(BASE)
+    return tier if tier in TIERS else None
+
+
+def vs_baseline(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
+    """This checkout / the baseline's tok/s per tier and concurrency (> 1: faster than before)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for tier in TIERS:
+        now, base = results.get(tier), results.get(tier + BASE)
+        if now and base:
+            out[tier] = {c: _div(r["tok_per_s"], base[c]["tok_per_s"]) for c, r in now.items() if c in base}
+    return out
 
 
 async def one_request(
@@ -686,6 +717,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 started.append(s)
                 by_target[target] = s
+        admin_ports: dict[str, int] = {}
         if any(t in TIERS for t in args.targets):
             port = free_port()
             env = dict(os.environ, OTEL_SDK_DISABLED="true")
@@ -698,6 +730,20 @@ def main(argv: list[str] | None = None) -> None:
             for t in TIERS:
                 if t in args.targets:
                     by_target[t] = s
+                    admin_ports[t] = admin_port
+            if args.baseline:
+                base_dir = Path(args.baseline).resolve()
+                port, base_admin = free_port(), free_port()
+                cmd = [sys.executable, "-m", "router.cli", "--log-level", "warning", "serve",
+                       "--policy", str(base_dir / "policies/default.yaml"), "--port", str(port),
+                       "--admin-port", str(base_admin)]  # fmt: skip
+                base_env = dict(env, PYTHONPATH=str(base_dir))  # its router/ and tiers/, not ours
+                b = Server("tiered-router" + BASE, cmd, "/readyz", port, logdir, env=base_env, cwd=base_dir)
+                started.append(b)
+                for t in TIERS:
+                    if t in args.targets:
+                        by_target[t + BASE] = b
+                        admin_ports[t + BASE] = base_admin
         for i, s in enumerate(list(started)):
             try:
                 s.wait_ready(args.startup_timeout)
@@ -722,7 +768,17 @@ def main(argv: list[str] | None = None) -> None:
             }
             print(f"{s.name}: ready in {s.ready_s:.1f} s, RSS {rss_mb(s.pid):.0f} MB", flush=True)
 
-        order = [t for t in ("llama-q4_1", "small", "medium", "llama-f32", "large") if t in by_target]
+        targets = (
+            "llama-q4_1",
+            "small",
+            "small@base",
+            "medium",
+            "medium@base",
+            "llama-f32",
+            "large",
+            "large@base",
+        )
+        order = [t for t in targets if t in by_target]
         for t in order:
             warm_up(by_target[t], t, prompts, args)
         for c in args.concurrency:
@@ -732,10 +788,11 @@ def main(argv: list[str] | None = None) -> None:
                 for t in order[rnd % len(order) :] + order[: rnd % len(order)]:
                     srv = by_target[t]
                     others = [o for o in started if o is not srv]
-                    before = spec_counters(admin_port, t) if t in TIERS else None
+                    tier = tier_of(t)
+                    before = spec_counters(admin_ports[t], tier) if tier else None
                     r = measure(srv, t, prompts, c, args, others)
-                    if before is not None:
-                        after = spec_counters(admin_port, t)
+                    if tier and before is not None:
+                        after = spec_counters(admin_ports[t], tier)
                         r["speculative"] = {k: after[k] - before.get(k, 0.0) for k in after}
                     runs[t].append(r)
                     print(
@@ -790,6 +847,8 @@ def main(argv: list[str] | None = None) -> None:
         "pairs": PAIRS,
         "results": results,
         "ratios": rat,
+        "baseline": _baseline_info(args.baseline),
+        "vs_baseline_tok_per_s": vs_baseline(results),
         "greedy_text_agreement_c1": agree,
         "notes": [
             *notes,
@@ -809,6 +868,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"{tier:<7} c={c:<3} vs {r['peer']}: tok/s {_fmt(r['tok_per_s'])}  "
                 f"TTFT p50 {_fmt(r['ttft_p50'])}  p99 {_fmt(r['ttft_p99'])}"
             )
+    for tier, vs in vs_baseline(results).items():
+        print(f"{tier:<7} vs the baseline: tok/s " + "  ".join(f"c={c} {_fmt(v)}" for c, v in vs.items()))
+
+
+def _baseline_info(baseline: str | None) -> dict[str, str] | None:
+    if not baseline:
+        return None
+    rev = subprocess.run(
+        ["git", "-C", baseline, "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
+    ).stdout.strip()
+    return {"checkout": str(Path(baseline).resolve()), "commit": rev}
 
 
 def _rel(path: str) -> str:
@@ -832,6 +902,7 @@ def _plot(
     styles = {
         "llama-q4_1": ("k", "--"), "llama-f32": ("0.5", "--"),
         "small": ("tab:green", "-"), "medium": ("tab:blue", "-"), "large": ("tab:red", "-"),
+        "small@base": ("tab:green", ":"), "medium@base": ("tab:blue", ":"), "large@base": ("tab:red", ":"),
     }  # fmt: skip
     for t, per in results.items():
         cs = [c for c in levels if str(c) in per]

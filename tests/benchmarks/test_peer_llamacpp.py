@@ -87,3 +87,19 @@ def test_the_median_round_stands_for_a_level_with_every_round_beside_it() -> Non
     assert got["tok_per_s_rounds"] == [90.0, 120.0, 100.0]
     assert got["speculative"] == {"draft_tokens": 7.0}
     assert parse_args([]).rounds == 3
+
+
+def test_baseline_targets_ask_for_their_tier_and_compare_with_it() -> None:
+    """Catches a baseline target sent to the service under its own name (``small@base`` is no
+    model there) or compared with the wrong tier."""
+    from benchmarks.peer_llamacpp import body, tier_of, vs_baseline
+
+    assert tier_of("small@base") == "small" and tier_of("large") == "large" and tier_of("llama-q4_1") is None
+    assert body("medium@base", "hi", 8)["model"] == "medium"
+    assert body("llama-f32", "hi", 8)["model"] == "default"
+    results = {
+        "small": {"1": {"tok_per_s": 150.0}, "4": {"tok_per_s": 300.0}},
+        "small@base": {"1": {"tok_per_s": 100.0}},
+        "medium": {"1": {"tok_per_s": 90.0}},
+    }
+    assert vs_baseline(results) == {"small": {"1": 1.5}}
