@@ -85,6 +85,14 @@ EXPLORE_STEPS = 4
 """Most steps one exploration takes (until a drafting round reports its acceptance)."""
 SPEC_RESUME_MARGIN = 1.25
 """Start (or resume) speculating only above this: the draft first catches up on its backlog."""
+LONG_EXPLORE_WAIT = 32
+"""After ``explore_every`` x this many k = 0 steps in a row a tier explores whatever the draft's
+backlog and a perfect draft's predicted rate: both gates read figures that only drafting refreshes
+(the draft's cost, the acceptance), so a warm-up profile taken while the machine was busy kept
+speculation off for good. Measured: the large tier, started beside a second service warming up,
+never drafted through a whole peer run (0.72x its throughput at the previous commit, which drafted
+1,700 tokens). Each such exploration doubles the wait for the next, up to 8x this, until
+speculation resumes."""
 ROW_PRIOR_TOKENS = 4
 """A row's own acceptance is its drafts' record shrunk toward the engine's average by this many
 pseudo-drafts (``SpecController.row_acceptance``): a new row drafts at the average, one whose
@@ -126,6 +134,9 @@ class SpecController:
     ended there measured nothing, so plain decoding locked itself in."""
     fixed_k: int | None = None
     """Pin k (benchmarks and tests); None lets the cost model choose."""
+    long_wait: int = LONG_EXPLORE_WAIT
+    """Plain steps (in units of ``explore_every``) before the next exploration that ignores the
+    backlog and the ceiling (``LONG_EXPLORE_WAIT``)."""
 
     @staticmethod
     def _interp(points: list[tuple[int, float]], x: int, proportional: bool = True) -> float:
@@ -281,16 +292,17 @@ class SpecController:
             ceiling = max(
                 self.expected_rate(k, batch_size, acceptance=0.999) or 0.0 for k in range(1, self.max_k + 1)
             )
-            if (
-                self.steps_without_spec >= self.explore_every
-                and ceiling > (rates[0] or 0.0)
-                and draft_lag <= 8
-            ):
+            short = ceiling > (rates[0] or 0.0) and draft_lag <= 8
+            long = self.steps_without_spec >= self.explore_every * self.long_wait
+            if self.steps_without_spec >= self.explore_every and (short or long):
+                if not short:
+                    self.long_wait = min(2 * self.long_wait, 8 * LONG_EXPLORE_WAIT)
                 self.steps_without_spec = 0
                 self.exploring = EXPLORE_STEPS - 1
                 return max(range(1, self.max_k + 1), key=lambda k: rates[k] or 0.0)
         else:
             self.steps_without_spec = 0
+            self.long_wait = LONG_EXPLORE_WAIT
         return best
 
     def record_target(self, batch_size: int, tokens: int, seconds: float) -> None:

@@ -13,6 +13,7 @@ import pytest
 from tiers.sequence import SamplingParams, Sequence
 from tiers.speculative import (
     EXPLORE_STEPS,
+    LONG_EXPLORE_WAIT,
     SPEC_MARGIN,
     SPEC_RESUME_MARGIN,
     NgramProposer,
@@ -419,3 +420,38 @@ def test_row_k_leaves_pinned_and_zero_k_alone() -> None:
     assert c.row_k(1, 0, 0.99) == 0
     c.fixed_k = 3
     assert c.row_k(1, 3, 0.01) == 3  # a pinned k is a benchmark's or a test's: honoured
+
+
+def test_a_tier_kept_off_by_its_backlog_or_its_profile_still_explores_now_and_then() -> None:
+    """The latch: with speculation off the draft is not fed, so its backlog only grows and the short
+    exploration (backlog <= 8) never comes; a profile whose draft cost was measured while the
+    machine was busy keeps even a perfect draft below plain decoding. Both read figures only
+    drafting refreshes. Catches a tier that never drafts again: after explore_every x
+    LONG_EXPLORE_WAIT plain steps it explores whatever the backlog and the ceiling, each such
+    exploration doubles the wait (up to 8x), and a step that speculates resets it."""
+    every = 2
+    c = profiled(0.1, explore_every=every)
+    wait = every * LONG_EXPLORE_WAIT
+    assert all(c.choose_k(1, draft_lag=500) == 0 for _ in range(wait - 1))
+    assert c.choose_k(1, draft_lag=500) == 1  # explores with the best k > 0
+    assert c.long_wait == 2 * LONG_EXPLORE_WAIT and c.exploring == EXPLORE_STEPS - 1
+    assert [c.choose_k(1, draft_lag=500) for _ in range(EXPLORE_STEPS - 1)] == [1] * (EXPLORE_STEPS - 1)
+    gaps, plain = [], 0
+    while len(gaps) < 4:  # the next ones wait 2x, 4x, 8x, then 8x again
+        k = c.choose_k(1, draft_lag=500)
+        plain += 1
+        if k:
+            gaps.append(plain)
+            plain = 0
+            for _ in range(EXPLORE_STEPS - 1):
+                assert c.choose_k(1, draft_lag=500) == k
+    assert gaps == [2 * wait, 4 * wait, 8 * wait, 8 * wait]
+    c.acceptance = 0.9  # drafting pays again: a speculating step resets the wait
+    assert c.choose_k(1) > 0 and c.long_wait == LONG_EXPLORE_WAIT
+    # A draft priced at a whole plain step (a busy warm-up): even a perfect draft loses, and still
+    # the long wait explores.
+    c = SpecController(max_k=2, acceptance=0.1, explore_every=every)
+    c.record_target(1, 1, 0.010)
+    c.record_target(1, 3, 0.030)
+    c.record_draft(1, 1, 0.010)
+    assert [c.choose_k(1) for _ in range(wait)] == [0] * (wait - 1) + [1]
