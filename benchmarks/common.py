@@ -108,6 +108,17 @@ def rss_mb() -> float:
     return 0.0
 
 
+def slots(runner: Any, n: int = 16, tokens: int = 512) -> list[list[int]]:
+    """``n`` block tables of ``tokens`` positions each in ``runner``'s pool, held for the whole
+    benchmark (fixed rows to write contexts into and time steps over); their block lists."""
+    from tiers.block_manager import BlockTable
+
+    made = [BlockTable() for _ in range(n)]
+    for t in made:
+        assert runner.blocks.allocate(t, tokens), f"the pool cannot hold {n} x {tokens} tokens"
+    return [t.blocks for t in made]
+
+
 def interleaved_forward_ms(
     runners: dict[str, Any], shapes: tuple[str, ...], rows: Any, repeats: int, calls: int = 5
 ) -> dict[str, dict[str, float]]:

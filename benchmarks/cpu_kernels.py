@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, slots, write_json
 
 TIERS: dict[str, dict[str, Any]] = {
     "small (int4 g64, int4 head)": {"quantization": "int4", "group_size": 64, "int4_head": True},
@@ -51,16 +51,12 @@ def _runner(kernels: bool, kw: dict[str, Any]) -> Any:
 def _measure_tier(kw: dict[str, Any], repeats: int) -> dict[str, Any]:
     import torch
 
-    from tiers.block_manager import BlockTable
     from tiers.model_runner import RowInput
 
     runners = {"kernels": _runner(True, kw), "torch": _runner(False, kw)}
     tables: dict[str, list[list[int]]] = {}
     for name, r in runners.items():
-        made = [BlockTable() for _ in range(16)]
-        for t in made:
-            assert r.blocks.allocate(t, 512)
-        tables[name] = [t.blocks for t in made]
+        tables[name] = slots(r)
         r.forward([RowInput(tables[name][i], 0, list(range(100, 100 + CONTEXT)), "none") for i in range(16)])
 
     def rows(name: str, shape: str) -> list[Any]:

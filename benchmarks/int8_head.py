@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import PROMPTS, interleaved_forward_ms, kernels_missing, plot_path, write_json
+from benchmarks.common import PROMPTS, interleaved_forward_ms, kernels_missing, plot_path, slots, write_json
 
 SHAPES = ("1", "4", "16")
 VARIANTS = ("torch _weight_int8pack_mm", "w8_linear", "w8a8_linear (default)")
@@ -77,17 +77,13 @@ def _runners() -> dict[str, Any]:
 def _steps(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
     import random
 
-    from tiers.block_manager import BlockTable
     from tiers.model_runner import RowInput
 
     rng = random.Random(0)
     ctx = [rng.randint(40, 100) for _ in range(16)]
     tables: dict[str, list[list[int]]] = {}
     for name, r in runners.items():
-        made = [BlockTable() for _ in range(16)]
-        for t in made:
-            assert r.blocks.allocate(t, 512)
-        tables[name] = [t.blocks for t in made]
+        tables[name] = slots(r)
         for t, c in zip(tables[name], ctx, strict=True):
             r.forward([RowInput(t, 0, list(range(100, 100 + c)), "none")])
 
@@ -155,18 +151,13 @@ def _greedy_agreement(runners: dict[str, Any]) -> dict[str, float]:
     """Each variant's top-1 against the fp32 tier's greedy continuation of 8 chat prompts."""
     import torch
 
-    from tiers.block_manager import BlockTable
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner, RowInput
 
     ref = ModelRunner(
         load_model("embedded:smollm2-135m-instruct", dtype="float32"), num_blocks=64, max_model_len=512
     )
-    tables = {}
-    for r in [ref, *runners.values()]:
-        t = BlockTable()
-        assert r.blocks.allocate(t, 512)
-        tables[id(r)] = t.blocks
+    tables = {id(r): slots(r, 1)[0] for r in [ref, *runners.values()]}
     agree = {n: 0 for n in runners}
     total = 0
     with torch.inference_mode():

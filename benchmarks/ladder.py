@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import PROMPTS, plot_path, write_json
+from benchmarks.common import PROMPTS, plot_path, slots, write_json
 
 POINTS: dict[str, dict[str, Any]] = {
     "large: fp32": {"quantization": "none", "dtype": "float32"},
@@ -43,7 +43,6 @@ def main() -> None:
 def _measure() -> dict[str, Any]:
     import torch
 
-    from tiers.block_manager import BlockTable
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner, RowInput
 
@@ -54,20 +53,15 @@ def _measure() -> dict[str, Any]:
         for name, kw in POINTS.items()
     }
     # 16 fixed "slots" per runner: block tables of 512 tokens each (the whole pool).
-    slots: dict[int, list[list[int]]] = {}
-    for r in runners.values():
-        tables = [BlockTable() for _ in range(16)]
-        for t in tables:
-            assert r.blocks.allocate(t, 512)
-        slots[id(r)] = [t.blocks for t in tables]
+    held = {id(r): slots(r) for r in runners.values()}
     times: dict[str, dict[int, list[float]]] = {n: {1: [], 4: [], 16: []} for n in runners}
     ctx = list(range(100, 300))
     for r in runners.values():
-        r.forward([RowInput(slots[id(r)][i], 0, ctx, "none") for i in range(16)])
+        r.forward([RowInput(held[id(r)][i], 0, ctx, "none") for i in range(16)])
     for _ in range(5):
         for name, r in runners.items():
             for b in (1, 4, 16):
-                rows = [RowInput(slots[id(r)][i], len(ctx), [5], "last") for i in range(b)]
+                rows = [RowInput(held[id(r)][i], len(ctx), [5], "last") for i in range(b)]
                 r.forward(rows)
                 started = time.perf_counter()
                 for _ in range(5):
@@ -84,16 +78,16 @@ def _measure() -> dict[str, Any]:
                 )["input_ids"]
             )
             toks = list(ids)
-            logits = ref.forward([RowInput(slots[id(ref)][0], 0, toks, "last")])[0]
+            logits = ref.forward([RowInput(held[id(ref)][0], 0, toks, "last")])[0]
             gen = []
             for _ in range(64):
                 assert logits is not None
                 t = int(logits[-1].argmax())
                 gen.append(t)
-                logits = ref.forward([RowInput(slots[id(ref)][0], len(toks), [t], "last")])[0]
+                logits = ref.forward([RowInput(held[id(ref)][0], len(toks), [t], "last")])[0]
                 toks.append(t)
             for name, r in runners.items():
-                out = r.forward([RowInput(slots[id(r)][1], 0, toks, "all")])[0]
+                out = r.forward([RowInput(held[id(r)][1], 0, toks, "all")])[0]
                 assert out is not None
                 pred = out[len(ids) - 1 : len(ids) - 1 + 64].argmax(-1).tolist()
                 agree[name][0] += sum(a == b for a, b in zip(pred, gen, strict=True))

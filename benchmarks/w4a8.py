@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, write_json
+from benchmarks.common import interleaved_forward_ms, kernels_missing, plot_path, slots, write_json
 
 SHAPES = ("1", "4", "16", "prefill 128")
 VARIANTS = {"bf16 activations": False, "int8 activations (W4A8)": True}
@@ -44,7 +44,6 @@ def _runner(int8: bool) -> Any:
 
 
 def _speed(repeats: int) -> dict[str, dict[str, float]]:
-    from tiers.block_manager import BlockTable
     from tiers.model_runner import RowInput
 
     runners = {name: _runner(int8) for name, int8 in VARIANTS.items()}
@@ -53,11 +52,7 @@ def _speed(repeats: int) -> dict[str, dict[str, float]]:
     tables: dict[str, list[list[int]]] = {}
     prefill: dict[str, list[int]] = {}
     for name, r in runners.items():
-        made = [BlockTable() for _ in range(17)]
-        for t in made:
-            assert r.blocks.allocate(t, 512)
-        tables[name] = [t.blocks for t in made[:16]]
-        prefill[name] = made[16].blocks
+        *tables[name], prefill[name] = slots(r, 17)
         for t, c in zip(tables[name], ctx, strict=True):
             r.forward([RowInput(t, 0, list(range(100, 100 + c)), "none")])
 
