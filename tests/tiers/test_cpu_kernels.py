@@ -8,7 +8,6 @@ paged attention kernel against an fp64 reference (it is not bitwise torch's flas
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,6 @@ def op() -> object:
     # On an AVX512 or AVX2 host a missing build is a broken install, not a reason to skip.
     assert got is not None, f"tiled int4 kernel not built at {cpu_kernels.library_path()}: run `make kernels`"
     return got
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def packed(n: int, k: int, group: int, seed: int = 0) -> Int4WeightOnlyLinear:

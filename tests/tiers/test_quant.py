@@ -76,6 +76,17 @@ def test_quantize_model_unties_the_head_and_rewrites_every_linear() -> None:
     assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings untouched
 
 
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_the_head_takes_int8_activations_beside_w4a8_layers(int8_activations: bool) -> None:
+    """The medium tier's operating point (int4 g32 with int8 activations, int8 head): catches a head
+    left on bf16 activations, or W8A8 leaking into a tier that asked for bf16 activations."""
+    model = _tiny_llama(vocab=256, layers=1)
+    quantize_model(model, "int4", group_size=32, int8_activations=int8_activations)
+    head = model.lm_head
+    assert isinstance(head, Int8WeightOnlyLinear)
+    assert head.int8_activations == int8_activations and head.group_size == 32
+
+
 @pytest.mark.parametrize(
     "kind", ["linear", "mkl_packed", "onednn_packed", "int8", "int4", "int4_int8_activations"]
 )

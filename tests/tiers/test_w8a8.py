@@ -3,7 +3,6 @@ the medium tier's output head beside its W4A8 layers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,14 +19,6 @@ def w8a8() -> Any:
     # On an AVX512 or AVX2 host a missing build is a broken install, not a reason to skip.
     assert got is not None, f"kernels not built at {cpu_kernels.library_path()}: run `make kernels`"
     return got
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def case(
@@ -137,25 +128,3 @@ def test_a_w8a8_layer_runs_the_kernel_and_equals_the_layer_without_it(
         assert odd.w8a8_packed is None
     with pytest.raises(ValueError, match="group size"):
         Int8WeightOnlyLinear(linear, int8_activations=True, group_size=40)
-
-
-@pytest.mark.parametrize("int8_activations", [True, False])
-def test_the_head_takes_int8_activations_beside_w4a8_layers(int8_activations: bool) -> None:
-    """The medium tier's operating point (int4 g32 with int8 activations, int8 head): catches a head
-    left on bf16 activations, or W8A8 leaking into a tier that asked for bf16 activations."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg)
-    quant.quantize_model(model, "int4", group_size=32, int8_activations=int8_activations)
-    head = model.lm_head
-    assert isinstance(head, Int8WeightOnlyLinear)
-    assert head.int8_activations == int8_activations and head.group_size == 32
