@@ -768,17 +768,9 @@ def main(argv: list[str] | None = None) -> None:
             }
             print(f"{s.name}: ready in {s.ready_s:.1f} s, RSS {rss_mb(s.pid):.0f} MB", flush=True)
 
-        targets = (
-            "llama-q4_1",
-            "small",
-            "small@base",
-            "medium",
-            "medium@base",
-            "llama-f32",
-            "large",
-            "large@base",
-        )
-        order = [t for t in targets if t in by_target]
+        # Each tier beside its baseline, each next to the llama.cpp server it is compared with.
+        paired = ("llama-q4_1", "small", "medium", "llama-f32", "large")
+        order = [x for t in paired for x in (t, t + BASE) if x in by_target]
         for t in order:
             warm_up(by_target[t], t, prompts, args)
         for c in args.concurrency:
@@ -902,8 +894,8 @@ def _plot(
     styles = {
         "llama-q4_1": ("k", "--"), "llama-f32": ("0.5", "--"),
         "small": ("tab:green", "-"), "medium": ("tab:blue", "-"), "large": ("tab:red", "-"),
-        "small@base": ("tab:green", ":"), "medium@base": ("tab:blue", ":"), "large@base": ("tab:red", ":"),
     }  # fmt: skip
+    styles.update({t + BASE: (styles[t][0], ":") for t in TIERS})
     for t, per in results.items():
         cs = [c for c in levels if str(c) in per]
         col, ls = styles[t]
