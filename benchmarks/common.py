@@ -36,6 +36,24 @@ PROMPTS = [
 ]
 
 
+def tier_model(tier: str, policy: Path | None = None) -> dict[str, Any]:
+    """``tiers.loading.load_model``'s keyword arguments for ``tier`` of ``policy`` (default: the
+    shipped ``policies/default.yaml``), so an in-process benchmark measures the operating point the
+    service runs, not a copy of it that drifts when the policy changes."""
+    from router.policy.loader import load_policy
+
+    cfg = load_policy(str(policy or RESULTS.parents[1] / "policies" / "default.yaml")).tiers[tier]
+    return {
+        "dtype": cfg.dtype,
+        "quantization": cfg.quantization,
+        "group_size": cfg.quant_group_size,
+        "int4_head": cfg.quantize_head,
+        "int8_head_rows": cfg.head_int8_tokens,
+        "int8_activations": cfg.activation_quantization == "int8",
+        "batch_invariant": cfg.batch_invariant,
+    }
+
+
 def encode_chat(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     """Each prompt as a one-turn chat, through the model's own template."""
     out = []
@@ -117,6 +135,38 @@ def slots(runner: Any, n: int = 16, tokens: int = 512) -> list[list[int]]:
     for t in made:
         assert runner.blocks.allocate(t, tokens), f"the pool cannot hold {n} x {tokens} tokens"
     return [t.blocks for t in made]
+
+
+def greedy_agreement(runners: dict[str, Any], prompts: int = 8, tokens: int = 64) -> dict[str, float]:
+    """Each runner's top-1 against the fp32 model's greedy continuation of the first ``prompts``
+    chat prompts, ``tokens`` each, teacher-forced (every runner reads the fp32 text, so one early
+    difference does not decide the rest). Call on the device thread the runners were built on."""
+    import torch
+
+    from tiers.loading import load_model
+    from tiers.model_runner import ModelRunner, RowInput
+
+    ref = ModelRunner(
+        load_model("embedded:smollm2-135m-instruct", dtype="float32"), num_blocks=64, max_model_len=512
+    )
+    tables = {id(r): slots(r, 1)[0] for r in [ref, *runners.values()]}
+    agree = {n: 0 for n in runners}
+    with torch.inference_mode():
+        for ids in encode_chat(ref.tokenizer, PROMPTS[:prompts]):
+            toks = list(ids)
+            logits = ref.forward([RowInput(tables[id(ref)], 0, toks, "last")])[0]
+            gen: list[int] = []
+            for _ in range(tokens):
+                assert logits is not None
+                gen.append(int(logits[-1].argmax()))
+                logits = ref.forward([RowInput(tables[id(ref)], len(toks), gen[-1:], "last")])[0]
+                toks.append(gen[-1])
+            for name, r in runners.items():
+                out = r.forward([RowInput(tables[id(r)], 0, toks, "all")])[0]
+                assert out is not None
+                pred = out[len(ids) - 1 : len(ids) - 1 + tokens].argmax(-1).tolist()
+                agree[name] += sum(a == b for a, b in zip(pred, gen, strict=True))
+    return {n: round(a / (prompts * tokens), 4) for n, a in agree.items()}
 
 
 def interleaved_forward_ms(

@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import PROMPTS, interleaved_forward_ms, kernels_missing, plot_path, slots, write_json
+from benchmarks.common import (
+    greedy_agreement,
+    interleaved_forward_ms,
+    kernels_missing,
+    plot_path,
+    slots,
+    write_json,
+)
 
 SHAPES = ("1", "4", "16")
 VARIANTS = ("torch _weight_int8pack_mm", "w8_linear", "w8a8_linear (default)")
@@ -147,44 +154,6 @@ def _numbers(runners: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _greedy_agreement(runners: dict[str, Any]) -> dict[str, float]:
-    """Each variant's top-1 against the fp32 tier's greedy continuation of 8 chat prompts."""
-    import torch
-
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner, RowInput
-
-    ref = ModelRunner(
-        load_model("embedded:smollm2-135m-instruct", dtype="float32"), num_blocks=64, max_model_len=512
-    )
-    tables = {id(r): slots(r, 1)[0] for r in [ref, *runners.values()]}
-    agree = {n: 0 for n in runners}
-    total = 0
-    with torch.inference_mode():
-        for prompt in PROMPTS[:8]:
-            chat = [{"role": "user", "content": prompt}]
-            ids = list(
-                ref.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)[
-                    "input_ids"
-                ]
-            )
-            toks = list(ids)
-            logits = ref.forward([RowInput(tables[id(ref)], 0, toks, "last")])[0]
-            gen = []
-            for _ in range(64):
-                assert logits is not None
-                gen.append(int(logits[-1].argmax()))
-                logits = ref.forward([RowInput(tables[id(ref)], len(toks), gen[-1:], "last")])[0]
-                toks.append(gen[-1])
-            total += 64
-            for name, r in runners.items():
-                out = r.forward([RowInput(tables[id(r)], 0, toks, "all")])[0]
-                assert out is not None
-                pred = out[len(ids) - 1 : len(ids) - 1 + 64].argmax(-1).tolist()
-                agree[name] += sum(a == b for a, b in zip(pred, gen, strict=True))
-    return {n: round(a / total, 4) for n, a in agree.items()}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
@@ -199,7 +168,7 @@ def main() -> int:
     step_ms = worker.call(lambda: _steps(runners, args.repeats))
     head_ms = worker.call(lambda: _head_alone(runners, args.repeats))
     numbers = worker.call(lambda: _numbers(runners))
-    numbers["greedy_agreement_with_fp32"] = worker.call(lambda: _greedy_agreement(runners))
+    numbers["greedy_agreement_with_fp32"] = worker.call(lambda: greedy_agreement(runners))
     worker.stop()
     base = VARIANTS[0]
     data = {

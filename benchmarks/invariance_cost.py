@@ -17,18 +17,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.common import interleaved_forward_ms, machine, plot_path, slots, write_json
+from benchmarks.common import interleaved_forward_ms, machine, plot_path, slots, tier_model, write_json
 
 TIERS: dict[str, dict[str, Any]] = {
-    "small (int4 g64 W4A8)": {
-        "quantization": "int4",
-        "group_size": 64,
-        "int4_head": True,
-        "int8_activations": True,
-    },
-    "medium (int4 g32 W4A8)": {"quantization": "int4", "group_size": 32, "int8_activations": True},
-    "large (fp32)": {"quantization": "none", "dtype": "float32"},
+    "small (int4 g64 W4A8)": tier_model("small"),
+    "medium (int4 g32 W4A8)": tier_model("medium"),
+    "large (fp32)": tier_model("large"),
 }
+"""The default policy's tiers; each is built both ways (``batch_invariant`` on and off)."""
 SHAPES = ("1", "4", "16", "prefill 20", "prefill 128")
 CONTEXT = 120
 
@@ -37,7 +33,7 @@ def _runner(invariant: bool, kw: dict[str, Any]) -> Any:
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
 
-    loaded = load_model("embedded:smollm2-135m-instruct", batch_invariant=invariant, **kw)
+    loaded = load_model("embedded:smollm2-135m-instruct", **{**kw, "batch_invariant": invariant})
     return ModelRunner(loaded, num_blocks=1024, max_model_len=512, batch_invariant=invariant)
 
 

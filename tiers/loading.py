@@ -222,10 +222,12 @@ def load_model(
     int4_head: bool = False,
     int8_activations: bool = False,
     batch_invariant: bool = False,
+    int8_head_rows: int = 0,
 ) -> LoadedModel:
     """Load a tier's model at its operating point (device, dtype, weight quantization).
     ``batch_invariant``: an fp32 CPU model's packed linears give a row the same bits whatever the
-    batch (``fp32_packed.PackedFp32Linear``)."""
+    batch (``fp32_packed.PackedFp32Linear``). ``int8_head_rows``: an int4 head's first rows kept
+    int8 (``quant.MixedHead``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -264,6 +266,7 @@ def load_model(
             group_size=group_size,
             int4_head=int4_head,
             int8_activations=int8_activations,
+            int8_head_rows=int8_head_rows,
         )
         hf_model.to(torch_dtype)  # type: ignore[arg-type]
     if dev.type == "cpu":

@@ -26,6 +26,7 @@ from tiers.fp32_packed import PackedFp32Linear, direct_call
 __all__ = [
     "Int4WeightOnlyLinear",
     "Int8WeightOnlyLinear",
+    "MixedHead",
     "QuantMethod",
     "cpu_is_intel",
     "direct_kernel",
@@ -310,6 +311,37 @@ class Int4WeightOnlyLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+class MixedHead(nn.Module):
+    """An output head in two precisions: rows ``[0, int8_rows)`` int8 (``Int8WeightOnlyLinear``),
+    the rest int4 in groups of ``group_size`` (``Int4WeightOnlyLinear``); logits concatenated.
+
+    A byte-level BPE vocabulary is numbered in merge order, so the low ids are the frequent tokens a
+    greedy decode picks: int8 there and int4 in the long tail keeps the int8 head's greedy agreement
+    at two thirds of its bytes, which a one-row decode step reads from memory. Both parts are
+    batch-invariant, so the concatenation is (``benchmarks/mixed_head.py`` measures it)."""
+
+    def __init__(self, linear: nn.Linear, int8_rows: int, group_size: int, *, int8_activations: bool) -> None:
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        if not 0 < int8_rows < out_f or int8_rows % W8A8_ALIGN:
+            raise ValueError(f"int8_rows must be a multiple of {W8A8_ALIGN} in (0, {out_f}), got {int8_rows}")
+        self.in_features, self.out_features, self.int8_rows = in_f, out_f, int8_rows
+        parts = []
+        for rows in (slice(0, int8_rows), slice(int8_rows, out_f)):
+            part = nn.Linear(in_f, rows.stop - rows.start, bias=linear.bias is not None, device="meta")
+            part.weight = nn.Parameter(linear.weight.detach()[rows], requires_grad=False)
+            if linear.bias is not None:
+                part.bias = nn.Parameter(linear.bias.detach()[rows], requires_grad=False)
+            parts.append(part)
+        w8a8 = int8_activations and _w8a8_fits(linear, group_size)
+        self.hot = Int8WeightOnlyLinear(parts[0], int8_activations=w8a8, group_size=group_size)
+        self.cold = Int4WeightOnlyLinear(parts[1], group_size, int8_activations=int8_activations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hot = self.hot(x)
+        return torch.cat([hot, self.cold(x).to(hot.dtype)], dim=-1)
+
+
 def direct_kernel(mod: nn.Module, dtype: torch.dtype) -> Any:
     """``mod.forward`` as one kernel call on 2-D activations of ``dtype``, or ``mod.forward``.
 
@@ -365,12 +397,14 @@ def quantize_model(
     group_size: int = 32,
     int4_head: bool = False,
     int8_activations: bool = False,
+    int8_head_rows: int = 0,
 ) -> nn.Module:
     """Rewrite every ``nn.Linear`` in place (the output head included, untied from the embedding).
 
     The output head gets int8 under ``int4`` unless ``int4_head``: it is one matrix but decides
-    every token. ``int8_activations``: the int4 linears use W4A8 numerics (``Int4WeightOnlyLinear``)
-    and an int8 head W8A8 (``Int8WeightOnlyLinear``).
+    every token; an int4 head keeps its first ``int8_head_rows`` rows int8 (``MixedHead``; all of
+    them when the vocabulary has no more). ``int8_activations``: the int4 linears use W4A8 numerics
+    (``Int4WeightOnlyLinear``) and an int8 head W8A8 (``Int8WeightOnlyLinear``).
     """
     if method == "none":
         return model
@@ -380,7 +414,10 @@ def quantize_model(
             if not isinstance(child, nn.Linear):
                 continue
             is_head = child is getattr(model, "lm_head", None)
-            if method == "int8" or (is_head and not int4_head):
+            if is_head and method == "int4" and int4_head and 0 < int8_head_rows < child.out_features:
+                mixed = MixedHead(child, int8_head_rows, group_size, int8_activations=int8_activations)
+                setattr(parent, name, mixed)
+            elif method == "int8" or (is_head and not (int4_head and int8_head_rows < child.out_features)):
                 # A head beside W4A8 layers takes int8 activations too, in groups of the tier's
                 # size where they divide its inputs (``Int8WeightOnlyLinear``).
                 w8a8 = int8_activations and is_head and _w8a8_fits(child, group_size)

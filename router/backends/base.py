@@ -101,6 +101,7 @@ def model_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.quantization,
         cfg.quant_group_size,
         cfg.quantize_head,
+        cfg.head_int8_tokens,
         cfg.activation_quantization,
         cfg.device,
         cfg.batch_invariant,

@@ -257,6 +257,7 @@ def build_tiers(
                 quantization=cfg.quantization,
                 group_size=cfg.quant_group_size,
                 int4_head=cfg.quantize_head,
+                int8_head_rows=cfg.head_int8_tokens,
                 int8_activations=cfg.activation_quantization == "int8",
                 batch_invariant=cfg.batch_invariant,
             )

@@ -75,6 +75,10 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
                 (*p, "activation_quantization"),
                 f"'{tier.activation_quantization}' needs quantization: int4, got {tier.quantization}",
             )
+        if tier.head_int8_tokens and not (tier.quantization == "int4" and tier.quantize_head):
+            ctx.error((*p, "head_int8_tokens"), "needs quantization: int4 and quantize_head: true")
+        if tier.head_int8_tokens < 0 or tier.head_int8_tokens % 64:
+            ctx.error((*p, "head_int8_tokens"), f"must be a multiple of 64 >= 0, got {tier.head_int8_tokens}")
         if tier.quant_group_size not in (32, 64, 128):
             ctx.error((*p, "quant_group_size"), f"must be 32, 64 or 128, got {tier.quant_group_size}")
         if tier.speculative_tokens > 16:

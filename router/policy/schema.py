@@ -62,6 +62,11 @@ class TierConfig:
     """int4: input channels sharing one scale/zero (32, 64 or 128); larger is cheaper and coarser."""
     quantize_head: bool = False
     """int4: quantize the output head to int4 too (default int8: it decides every token)."""
+    head_int8_tokens: int = 0
+    """int4 with ``quantize_head``: the vocabulary's first N rows of the head stay int8 (a BPE
+    vocabulary's low ids are its frequent tokens), the rest int4; a multiple of 64. The default
+    medium tier keeps 16,384: the int8 head's greedy agreement at two thirds of its bytes
+    (``tiers.quant.MixedHead``)."""
     activation_quantization: Literal["none", "int8"] = "none"
     """int4: ``int8`` quantizes each row's activations to int8 per weight group at run time (W4A8,
     llama.cpp's Q8 activations) and runs integer dot products: ~2.5x faster int4 projections on

@@ -214,14 +214,17 @@ def _build_tiers(
     worker: DeviceWorker, model_dir: Path, budget: int, batch_invariant: bool = False
 ) -> dict[str, Engine]:
     """The default policy's tiers over the tiny model: small (int4 g64, int4 head, W4A8, n-gram
-    drafts), medium (int4 g32, W4A8, drafts with small's runner), large (fp32, drafts with
-    medium's), each stepping at most ``budget`` tokens (prompts run in chunks of it, and of half
-    of it while others decode or wait)."""
+    drafts), medium (int4 g32, W4A8, a head int8 on its first rows and int4 on the rest, drafts
+    with small's runner), large (fp32, drafts with medium's), each stepping at most ``budget``
+    tokens (prompts run in chunks of it, and of half of it while others decode or wait)."""
 
     def build() -> dict[str, Engine]:
         inv = batch_invariant
         small = _tier(model_dir, "int4", inv, group_size=64, int4_head=True, int8_activations=True)
-        medium = _tier(model_dir, "int4", inv, group_size=32, int8_activations=True)
+        medium = _tier(
+            model_dir, "int4", inv, group_size=32, int4_head=True, int8_head_rows=128, int8_activations=True
+        )
+        assert isinstance(medium.lm_head, quant.MixedHead)
         large = _tier(model_dir, "none", inv)
         config = SchedulerConfig(
             max_num_seqs=16, max_model_len=256, max_num_batched_tokens=budget, max_waiting=64

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tiers.fp32_packed import PackedFp32Linear
-from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
+from tiers.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, MixedHead, quantize_model
 
 
 @pytest.fixture
@@ -85,6 +85,46 @@ def test_the_head_takes_int8_activations_beside_w4a8_layers(int8_activations: bo
     head = model.lm_head
     assert isinstance(head, Int8WeightOnlyLinear)
     assert head.int8_activations == int8_activations and head.group_size == 32
+
+
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_mixed_head_is_the_int8_head_on_its_first_rows_and_the_int4_head_on_the_rest(
+    int8_activations: bool,
+) -> None:
+    """Each output row is quantized on its own (int8: a scale per row; int4: per row and input
+    group), so a mixed head's logits are bitwise the all-int8 head's on rows [0, 128) and the
+    all-int4 head's on the rest, alone and in a batch. Catches a slice off by a block, the parts
+    swapped, the tail quantized with another group size, or a part left on bf16 activations."""
+    models = [_tiny_llama(vocab=320, layers=1) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    heads = []
+    for m, kw in zip(models, [{"int8_head_rows": 128}, {}, {"int8_head_rows": 0}], strict=True):
+        quantize_model(m, "int4", group_size=32, int4_head=bool(kw), int8_activations=int8_activations, **kw)
+        heads.append(m.lm_head.to(torch.bfloat16))
+    mixed, int8, int4 = heads
+    assert isinstance(mixed, MixedHead) and isinstance(int8, Int8WeightOnlyLinear)
+    assert isinstance(int4, Int4WeightOnlyLinear) and mixed.out_features == 320
+    assert mixed.hot.int8_activations == mixed.cold.int8_activations == int8_activations
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    got = mixed(x)
+    assert got.shape == (5, 320)
+    assert torch.equal(got[:, :128], int8(x)[:, :128])
+    assert torch.equal(got[:, 128:], int4(x)[:, 128:])
+    assert torch.equal(mixed(x[2:3]), got[2:3])  # a row alone is the row in the batch
+
+
+@pytest.mark.parametrize(("rows", "head"), [(320, Int8WeightOnlyLinear), (0, Int4WeightOnlyLinear)])
+def test_an_int4_head_keeping_every_or_no_row_int8_is_a_plain_head(rows: int, head: type) -> None:
+    model = _tiny_llama(vocab=320, layers=1)
+    quantize_model(model, "int4", group_size=32, int4_head=True, int8_head_rows=rows)
+    assert type(model.lm_head) is head
+
+
+@pytest.mark.parametrize("rows", [100, 320, 0])
+def test_mixed_head_refuses_rows_it_cannot_split_at(rows: int) -> None:
+    with pytest.raises(ValueError, match="int8_rows must be a multiple of 64"):
+        MixedHead(nn.Linear(64, 320, bias=False), rows, 32, int8_activations=True)
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,16 @@ def test_base_is_valid_and_typed() -> None:
             "must be one of",
         ),
         (("  small: {model", "  auto: {model"), "tiers.auto", "reserved"),
+        (
+            ("quantization: int4}", "quantization: int4, head_int8_tokens: 128}"),
+            "tiers.small.head_int8_tokens",
+            "needs quantization: int4 and quantize_head: true",
+        ),
+        (
+            ("quantization: int4}", "quantization: int4, quantize_head: true, head_int8_tokens: 100}"),
+            "tiers.small.head_int8_tokens",
+            "multiple of 64",
+        ),
     ],
 )
 def test_each_error_names_its_field(edit: tuple[str, str], path: str, fragment: str) -> None:
