@@ -206,7 +206,8 @@ class Engine:
             )
         except Exception:  # a bug in the step itself: fail what it touched, keep the engine alive
             log.exception("engine %s: step failed", self.name)
-            for seq in list(batch.seqs if batch is not None else self.scheduler.running):
+            # Before a batch formed, every held request (a waiting one would spin here for good).
+            for seq in list(batch.seqs if batch else [*self.scheduler.running, *self.scheduler.waiting]):
                 self.post.fail(seq, "internal error in the engine step")
         finally:
             outbox, self.post.outbox = self.post.outbox, None
@@ -221,8 +222,8 @@ class Engine:
         if p is None:
             return 0
         held = max(1, min(self.config.max_num_seqs, s.num_running + s.num_waiting))
-        lag = max(1, p.lag([*s.running, *s.waiting]))
-        return self.spec.choose_k(held, draft_lag=lag, acceptance=p.acceptance(s.running))
+        lag, backlog = p.behind([*s.running, *s.waiting])
+        return self.spec.choose_k(held, max(1, lag), p.acceptance(s.running), draft_backlog=backlog)
 
     def _run(self, batch: ScheduledBatch) -> None:
         """Draft, one target forward over every row, sample, and let the scheduler apply it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Protocol
 
 import torch
@@ -25,7 +26,7 @@ from tiers.model_runner import ModelRunner, RowInput
 from tiers.sampling import Draft, propose_tokens
 from tiers.scheduler import ScheduledBatch
 from tiers.sequence import Sequence
-from tiers.speculative import NgramProposer, SpecController
+from tiers.speculative import NgramProposer, SpecController, fastest
 
 __all__ = ["ModelDraft", "NgramDraft", "Proposal", "Proposer", "make_proposer"]
 
@@ -68,9 +69,10 @@ class Proposer(Protocol):
         """What the step's k is priced at: ``None`` for the engine's average acceptance."""
         ...
 
-    def lag(self, seqs: list[Sequence]) -> int:
-        """Most tokens any of ``seqs``' drafts must read before it can propose (the controller
-        resumes drafting only on a clearer win, and does not explore, behind a long backlog)."""
+    def behind(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """Tokens ``seqs``' drafts must read before they can propose: the most of any one (the
+        controller resumes drafting only on a clearer win behind it) and all of them together
+        (what an exploration pays first: ``speculative.EXPLORE_BACKLOG``)."""
         ...
 
     def on_accept(self, seq: Sequence, num_accepted: int) -> None: ...
@@ -222,10 +224,11 @@ class ModelDraft:
         (a row left out falls behind and must be caught up)."""
         return None
 
-    def lag(self, seqs: list[Sequence]) -> int:
+    def behind(self, seqs: list[Sequence]) -> tuple[int, int]:
         """The draft model's KV is fed only while drafting: after plain steps (or for a new
         prompt) it must first read every token since, a forward of that length on the draft."""
-        return max((s.num_tokens - s.num_draft_computed_tokens for s in seqs), default=0)
+        lags = [s.num_tokens - s.num_draft_computed_tokens for s in seqs]
+        return max(lags, default=0), sum(lags)
 
     def on_accept(self, seq: Sequence, num_accepted: int) -> None:
         steps = self._grammar_steps.pop(seq.seq_id, 0)
@@ -240,15 +243,13 @@ class ModelDraft:
         k = self.spec.max_k
         self.runner.forward_scratch([prompt])
         for b in sizes:
-            for _ in range(2):
-                for tokens, runner, record in (
-                    (1, target, self.spec.record_target),
-                    (k + 1, target, self.spec.record_target),
-                    (1, self.runner, self.spec.record_draft),
-                ):
-                    started = time.perf_counter()
-                    runner.forward_scratch([[prompt[0]] * tokens] * b, start=ctx)
-                    record(b, tokens, time.perf_counter() - started)
+            for tokens, runner, record in (
+                (1, target, self.spec.record_target),
+                (k + 1, target, self.spec.record_target),
+                (1, self.runner, self.spec.record_draft),
+            ):
+                rows = [[prompt[0]] * tokens] * b
+                record(b, tokens, fastest(partial(runner.forward_scratch, rows, start=ctx)))
         # A full batch's decode step drafts as the controller would: k draft forwards and the
         # target over k + 1 tokens, not the plain forward the seed timed.
         b = self.max_num_seqs
@@ -278,9 +279,9 @@ class NgramDraft:
             (self.spec.row_acceptance(s.num_draft_tokens, s.num_accepted_tokens) for s in seqs), default=None
         )
 
-    def lag(self, seqs: list[Sequence]) -> int:
+    def behind(self, seqs: list[Sequence]) -> tuple[int, int]:
         """A lookup reads the row's tokens where they are: nothing to catch up."""
-        return 0
+        return 0, 0
 
     def propose(self, batch: ScheduledBatch, k: int) -> Proposal:
         out = Proposal.empty(batch.num_seqs)
@@ -321,11 +322,9 @@ class NgramDraft:
         per proposed token."""
         k = self.spec.max_k
         for b in sizes:
-            for _ in range(2):
-                for tokens in range(1, k + 2):
-                    started = time.perf_counter()
-                    target.forward_scratch([[prompt[0]] * tokens] * b, start=ctx)
-                    self.spec.record_target(b, tokens, time.perf_counter() - started)
+            for tokens in range(1, k + 2):
+                rows = [[prompt[0]] * tokens] * b
+                self.spec.record_target(b, tokens, fastest(partial(target.forward_scratch, rows, start=ctx)))
         history = (prompt * (ctx // len(prompt) + 1))[:ctx]
         for b in sizes:
             started = time.perf_counter()

@@ -9,6 +9,8 @@ argmax agrees".
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,10 +21,21 @@ from tiers.block_manager import BlockManager
 if TYPE_CHECKING:
     from tiers.sequence import Sequence
 
-__all__ = ["NGRAM", "NgramProposer", "SpecController", "accept_batch", "spec_budget"]
+__all__ = ["NGRAM", "NgramProposer", "SpecController", "accept_batch", "fastest", "spec_budget"]
 
 NGRAM = "ngram"
 """The policy's ``draft`` value that drafts by n-gram lookup instead of a tier's model."""
+
+
+def fastest(run: Callable[[], object], repeats: int = 2) -> float:
+    """Seconds of the fastest of ``repeats`` calls: what a warm-up profile records. The machine's
+    other work only ever adds time, so the minimum is the estimate it disturbs least."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def spec_budget(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -93,6 +106,15 @@ speculation off for good. Measured: the large tier, started beside a second serv
 never drafted through a whole peer run (0.72x its throughput at the previous commit, which drafted
 1,700 tokens). Each such exploration doubles the wait for the next, up to 8x this, until
 speculation resumes."""
+EXPLORE_BACKLOG = 128
+"""Most tokens the drafts may have to read first (all rows together) for a periodic exploration:
+one prompt chunk on the draft (medium's costs four of large's decode steps on the Intel VM). At
+one stream every request starts a prompt behind (the draft is fed only while drafting): gated at
+8 tokens, drafting that stopped once never came back. Each such exploration doubles the next
+one's wait (``catch_up_wait``)."""
+PROFILE_TRUST = 1.5
+"""A warm-up's plain step this far off (either way) from its first measurement in service marks
+the whole profile suspect (``SpecController.recheck``)."""
 ROW_PRIOR_TOKENS = 4
 """A row's own acceptance is its drafts' record shrunk toward the engine's average by this many
 pseudo-drafts (``SpecController.row_acceptance``): a new row drafts at the average, one whose
@@ -137,6 +159,17 @@ class SpecController:
     long_wait: int = LONG_EXPLORE_WAIT
     """Plain steps (in units of ``explore_every``) before the next exploration that ignores the
     backlog and the ceiling (``LONG_EXPLORE_WAIT``)."""
+    catch_up_wait: int = 1
+    """An exploration that first catches the draft up on more than 8 tokens waits this many times
+    ``explore_every``; each doubles it (up to 8) until speculation resumes."""
+    recheck: bool = False
+    """A seeded plain step was more than ``PROFILE_TRUST`` x off its first measurement: the profile
+    was taken on a busy machine (contention stretched a 5-token verify twice as much as a plain
+    step), so the next k = 0 choice explores at once, whatever the gates."""
+    provisional: set[tuple[str, tuple[int, int]]] = field(default_factory=set)
+    """(table, key) figures the warm-up seeded (``seeded``): the first measurement in service
+    replaces each instead of moving it by ``ema`` (a busy warm-up's figure, averaged, outlived
+    the one exploration that measured the truth)."""
 
     @staticmethod
     def _interp(points: list[tuple[int, float]], x: int, proportional: bool = True) -> float:
@@ -265,10 +298,17 @@ class SpecController:
                 best, best_net = j, saved - cost
         return best
 
-    def choose_k(self, batch_size: int, draft_lag: int = 1, acceptance: float | None = None) -> int:
+    def choose_k(
+        self,
+        batch_size: int,
+        draft_lag: int = 1,
+        acceptance: float | None = None,
+        draft_backlog: int | None = None,
+    ) -> int:
         """``draft_lag``: most tokens any row's draft must catch up on before drafting;
         ``acceptance``: price the rounds at this instead of the engine's average (the best row's,
-        for proposers that price each row: ``row_k``)."""
+        for proposers that price each row: ``row_k``); ``draft_backlog``: the tokens all rows'
+        drafts must read first (default ``draft_lag``), which an exploration pays."""
         if self.max_k <= 0:
             return 0
         if self.fixed_k is not None:
@@ -292,39 +332,63 @@ class SpecController:
             ceiling = max(
                 self.expected_rate(k, batch_size, acceptance=0.999) or 0.0 for k in range(1, self.max_k + 1)
             )
-            short = ceiling > (rates[0] or 0.0) and draft_lag <= 8
+            backlog = draft_lag if draft_backlog is None else draft_backlog
+            catch_up = backlog > 8
+            short = ceiling > (rates[0] or 0.0) and backlog <= EXPLORE_BACKLOG
+            short &= self.steps_without_spec >= self.explore_every * (self.catch_up_wait if catch_up else 1)
             long = self.steps_without_spec >= self.explore_every * self.long_wait
-            if self.steps_without_spec >= self.explore_every and (short or long):
-                if not short:
+            if self.recheck or short or long:
+                if short and catch_up and not self.recheck:
+                    self.catch_up_wait = min(2 * self.catch_up_wait, 8)
+                elif not (short or self.recheck):
                     self.long_wait = min(2 * self.long_wait, 8 * LONG_EXPLORE_WAIT)
+                self.recheck = False
                 self.steps_without_spec = 0
                 self.exploring = EXPLORE_STEPS - 1
                 return max(range(1, self.max_k + 1), key=lambda k: rates[k] or 0.0)
         else:
             self.steps_without_spec = 0
             self.long_wait = LONG_EXPLORE_WAIT
+            self.catch_up_wait = 1
+            self.recheck = False  # drafting measures its figures itself
         return best
 
+    def seeded(self) -> None:
+        """The warm-up's figures are in: each stands only until its key is first measured in
+        service (``provisional``)."""
+        self.provisional = {
+            (name, key)
+            for name in ("target_cost", "draft_cost", "target_ratio", "draft_ratio")
+            for key in getattr(self, name)
+        }
+
     def record_target(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self._record(self.target_cost, (batch_size, tokens), seconds)
+        self._record("target_cost", (batch_size, tokens), seconds)
         plain = self.target_cost.get((batch_size, 1))
         if tokens > 1 and plain:
-            self._record(self.target_ratio, (batch_size, tokens), seconds / plain)
+            self._record("target_ratio", (batch_size, tokens), seconds / plain)
 
     def record_draft(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self._record(self.draft_cost, (batch_size, tokens), seconds)
+        self._record("draft_cost", (batch_size, tokens), seconds)
         plain = self.target_cost.get((batch_size, 1))
         if plain:
-            self._record(self.draft_ratio, (batch_size, tokens), seconds / plain)
+            self._record("draft_ratio", (batch_size, tokens), seconds / plain)
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.acceptance += self.ema * (accepted / drafted - self.acceptance)
             self.exploring = 0
 
-    def _record(self, table: dict[tuple[int, int], float], key: tuple[int, int], seconds: float) -> None:
+    def _record(self, name: str, key: tuple[int, int], seconds: float) -> None:
+        table: dict[tuple[int, int], float] = getattr(self, name)
         old = table.get(key)
-        table[key] = seconds if old is None else old + self.ema * (seconds - old)
+        if old is None or (name, key) in self.provisional:
+            if old is not None and name == "target_cost" and key[1] == 1:
+                self.recheck |= not old / PROFILE_TRUST <= seconds <= old * PROFILE_TRUST
+            self.provisional.discard((name, key))
+            table[key] = seconds
+        else:
+            table[key] = old + self.ema * (seconds - old)
 
 
 @dataclass(slots=True)

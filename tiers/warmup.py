@@ -6,12 +6,13 @@ engine's loop starts; its blocks are returned unnamed."""
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from tiers.batch import SchedulerConfig
 from tiers.model_runner import ModelRunner
 from tiers.pacing import Pace
-from tiers.speculative import SpecController
+from tiers.speculative import SpecController, fastest
 
 if TYPE_CHECKING:
     from tiers.proposers import Proposer
@@ -44,11 +45,10 @@ def warm_up(
     if proposer is None or spec.max_k == 0:
         # The plain step at each batch size: what load-aware routing prices a row by.
         for b in sizes:
-            for _ in range(2):
-                started = time.perf_counter()
-                runner.forward_scratch([prompt[:1]] * b, start=PROFILE_CONTEXT)
-                spec.record_target(b, 1, time.perf_counter() - started)
-        return
-    decode_cost = proposer.profile(runner, prompt, sizes, PROFILE_CONTEXT)
-    if decode_cost is not None:
-        pace.seed(decode_cost=decode_cost)
+            rows = [prompt[:1]] * b
+            spec.record_target(b, 1, fastest(partial(runner.forward_scratch, rows, start=PROFILE_CONTEXT)))
+    else:
+        decode_cost = proposer.profile(runner, prompt, sizes, PROFILE_CONTEXT)
+        if decode_cost is not None:
+            pace.seed(decode_cost=decode_cost)
+    spec.seeded()

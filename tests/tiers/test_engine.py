@@ -160,6 +160,23 @@ async def test_error_in_one_request_fails_only_that_request(engine: Engine) -> N
     assert again[2] == "length"
 
 
+async def test_a_step_failing_before_its_batch_forms_fails_the_waiting_requests_too(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches the failure path failing only running sequences: a step that raises before a batch
+    # forms (here choosing k) with only a waiting request retried forever, logging each time, and
+    # the request never finished (found when a test's stub of choose_k lacked a new argument).
+    def broken() -> int:
+        raise TypeError("injected fault")
+
+    monkeypatch.setattr(engine, "_choose_k", broken)
+    out = await asyncio.wait_for(collect(engine, prompts(1, seed=4)[0], greedy(6)), timeout=60)
+    assert out[2] == "error" and "internal error" in (out[3].error or "")
+    monkeypatch.undo()
+    again = await collect(engine, prompts(1, seed=4)[0], greedy(6))  # the engine keeps serving
+    assert again[2] == "length"
+
+
 async def test_queue_bound_raises_engine_full(worker: DeviceWorker, tiny_model_dir: Path) -> None:
     small = make_engine(worker, tiny_model_dir, max_num_seqs=1, max_waiting=1, name="bounded")
     assert isinstance(small, Engine)
@@ -580,4 +597,19 @@ def test_decode_round_prices_a_non_drafting_engine_from_its_warm_up(
     assert one[0] > 0.0 and sixteen[0] > 0.0
     # The price is the controller's plain-step estimate at that batch size.
     assert one[0] == engine.spec.best_round(1)[0]  # type: ignore[index]
+    worker.remove_engine(engine)
+
+
+async def test_warm_up_figures_are_provisional_until_measured_in_service(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    # Catches the warm-up not calling ``spec.seeded()``: a profile taken while the machine was
+    # busy would then weigh on the cost model (the draft's cost for good, SpecController.provisional).
+    engine: Engine = make_engine(worker, tiny_model_dir, draft_quantization="int8", name="seeded")  # type: ignore[assignment]
+    spec = engine.spec
+    assert spec.draft_cost and spec.target_cost
+    assert {("draft_cost", k) for k in spec.draft_cost} <= spec.provisional
+    assert {("target_cost", k) for k in spec.target_cost} <= spec.provisional
+    await collect(engine, prompts(1, seed=3)[0], greedy(12))
+    assert ("target_cost", (1, 1)) not in spec.provisional  # its one-row decode steps measured it
     worker.remove_engine(engine)

@@ -565,20 +565,27 @@ async def test_the_draft_is_not_fed_while_speculation_does_not_pay(plain: Engine
 async def test_the_controller_sees_the_drafts_backlog(
     spec: Engine, ngram_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine tells the controller how far the draft is behind (``choose_k``'s ``draft_lag``):
-    a model draft is not fed while k is 0, so every plain step adds a token it must first read,
-    and a new prompt's draft has read nothing. Behind such a backlog the controller neither
-    explores nor resumes on a thin margin. Catches the engine passing the default lag of 1 (it
-    did: with speculation off, the medium tier explored every 64 steps with its draft behind by
-    the whole context, each exploration a catch-up forward of that length on the small model,
-    and from outside ran at 0.6-0.7x its plain speed). An n-gram lookup has nothing to read."""
+    """The engine tells the controller how far the draft is behind (``choose_k``'s ``draft_lag``,
+    and ``draft_backlog`` for all rows together): a model draft is not fed while k is 0, so every
+    plain step adds a token it must first read, and a new prompt's draft has read nothing. Behind
+    such a backlog the controller resumes only on a clear margin and explores only now and then.
+    Catches the engine passing the default lag of 1 (it did: with speculation off, the medium tier
+    explored every 64 steps with its draft behind by the whole context, each exploration a
+    catch-up forward of that length on the small model, and from outside ran at 0.6-0.7x its
+    plain speed). An n-gram lookup has nothing to read."""
     ids = prompts(1, seed=21)[0][:40]
     lags: list[int] = []
+    backlogs: list[int | None] = []
 
     def pinned(
-        _self: SpecController, batch_size: int, draft_lag: int = 1, acceptance: float | None = None
+        _self: SpecController,
+        batch_size: int,
+        draft_lag: int = 1,
+        acceptance: float | None = None,
+        draft_backlog: int | None = None,
     ) -> int:
         lags.append(draft_lag)
+        backlogs.append(draft_backlog)
         return 0
 
     monkeypatch.setattr(SpecController, "choose_k", pinned)
@@ -588,7 +595,8 @@ async def test_the_controller_sees_the_drafts_backlog(
     monkeypatch.undo()
     assert model_lags[0] == len(ids)  # the waiting prompt: none of it read by the draft
     assert model_lags[-1] >= len(ids) + 10 and model_lags == sorted(model_lags)
-    assert set(lags) == {1}
+    assert backlogs[: len(model_lags)] == model_lags  # one row: all rows' backlog is its lag
+    assert set(lags) == {1} and set(backlogs[len(model_lags) :]) == {0}
 
 
 def test_a_k_not_in_use_is_priced_against_the_plain_steps_current_cost() -> None:

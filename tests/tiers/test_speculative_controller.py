@@ -8,16 +8,21 @@ Model-free and fast, so ``make mutation`` can run it on every mutant of the modu
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from tiers.sequence import SamplingParams, Sequence
 from tiers.speculative import (
+    EXPLORE_BACKLOG,
     EXPLORE_STEPS,
     LONG_EXPLORE_WAIT,
     SPEC_MARGIN,
     SPEC_RESUME_MARGIN,
     NgramProposer,
     SpecController,
+    fastest,
     spec_budget,
 )
 
@@ -219,18 +224,19 @@ def test_choose_k_speculates_above_the_margin_and_resumes_only_above_the_higher_
 def test_an_exploration_tries_the_best_k_above_zero_and_only_where_it_could_pay() -> None:
     """Plain decoding chosen (a = 0.1) at explore_every = 3: the 3rd plain step explores with the
     k > 0 of the best rate (k = 1 here: 1.1 / 14.5 ms beats 1.11 / 19 ms), for EXPLORE_STEPS
-    steps at most. Not with a draft more than 8 tokens behind (8 is still fine), and never where a
-    perfect draft would lose. Catches the count's boundary (``>=``), the reset of the count, the
-    explored k (max_k instead of the best), the lag boundary, the ceiling's comparison."""
+    steps at most. Not with drafts more than EXPLORE_BACKLOG tokens behind in all (that many is
+    still fine), and never where a perfect draft would lose. Catches the count's boundary (``>=``),
+    the reset of the count, the explored k (max_k instead of the best), the backlog boundary, the
+    ceiling's comparison."""
     c = profiled(0.1, explore_every=3)
     assert [c.choose_k(1, draft_lag=8) for _ in range(3)] == [0, 0, 1]
-    assert c.steps_without_spec == 0 and c.exploring == EXPLORE_STEPS - 1
+    assert c.steps_without_spec == 0 and c.exploring == EXPLORE_STEPS - 1 and c.catch_up_wait == 1
     assert [c.choose_k(1) for _ in range(EXPLORE_STEPS)] == [1] * (EXPLORE_STEPS - 1) + [0]
     assert c.exploring == 0 and c.steps_without_spec == 1
     c = profiled(0.1, explore_every=3)
-    assert [c.choose_k(1, draft_lag=9) for _ in range(5)] == [0] * 5
-    assert c.steps_without_spec == 5
-    assert c.choose_k(1, draft_lag=8) == 1  # past the count already: the first short lag explores
+    over = [c.choose_k(1, draft_lag=9, draft_backlog=EXPLORE_BACKLOG + 1) for _ in range(5)]
+    assert over == [0] * 5 and c.steps_without_spec == 5
+    assert c.choose_k(1, draft_lag=9, draft_backlog=EXPLORE_BACKLOG) == 1  # past the count: explores
     # Verifying 3 tokens costs 3 plain steps and a draft forward 1: even a = 0.999 loses to plain.
     c = SpecController(max_k=2, acceptance=0.1, explore_every=1)
     c.record_target(1, 1, 0.010)
@@ -455,3 +461,136 @@ def test_a_tier_kept_off_by_its_backlog_or_its_profile_still_explores_now_and_th
     c.record_target(1, 3, 0.030)
     c.record_draft(1, 1, 0.010)
     assert [c.choose_k(1) for _ in range(wait)] == [0] * (wait - 1) + [1]
+
+
+def test_a_busy_warm_up_figure_gives_way_to_the_first_measurement_in_service() -> None:
+    """The latch behind a large tier that never drafted after warming up beside a second service:
+    the profile priced its draft at a whole plain step, and only drafting refreshes that figure.
+    Averaged (ema 0.1), one exploration's true 1 ms moved it to 9.1 ms and drafting stayed off;
+    seeded figures are replaced by the first measurement instead, then averaged as before. Catches
+    ``seeded`` marking nothing, the replacement left out of ``_record`` or kept for later samples."""
+
+    def busy(seed: bool) -> SpecController:
+        c = SpecController(max_k=4, acceptance=0.8)
+        c.record_target(1, 1, 0.010)
+        c.record_target(1, 5, 0.012)
+        c.record_draft(1, 1, 0.010)  # the busy profile: a draft forward as dear as a target step
+        if seed:
+            c.seeded()
+        return c
+
+    for seed in (True, False):
+        c = busy(seed)
+        # rate(0) = 100/s; rate(4) = 3.36 / (12 + 4 x 10 ms) = 65/s: off
+        assert c.choose_k(1) == 0
+        c.record_draft(1, 1, 0.001)  # an exploration's draft forward, measured
+        if seed:
+            assert c.draft_cost[(1, 1)] == pytest.approx(0.001)
+            assert c.draft_ratio[(1, 1)] == pytest.approx(0.1)
+            assert c.choose_k(1) == 4  # 3.36 / (12 + 4 x 1 ms) = 210/s > 1.1 x 100
+        else:  # what averaging gave: 10 + 0.1 x (1 - 10) = 9.1 ms, still off
+            assert c.draft_cost[(1, 1)] == pytest.approx(0.0091)
+            assert c.choose_k(1) == 0
+    c = busy(True)
+    assert ("target_cost", (1, 5)) in c.provisional and ("draft_ratio", (1, 1)) in c.provisional
+    c.record_draft(1, 1, 0.001)
+    c.record_draft(1, 1, 0.002)  # from the second measurement on: the moving average
+    assert c.draft_cost[(1, 1)] == pytest.approx(0.0011)
+    assert ("target_cost", (1, 5)) in c.provisional and ("draft_cost", (1, 1)) not in c.provisional
+
+
+def test_the_profile_records_the_fastest_forward_of_each_shape() -> None:
+    """Every first forward of a shape here is 40 ms slower (the machine busy with something else):
+    the seed must be the quiet figure, not the average the controller would make of both (36 ms).
+    Catches the profile back on ``record`` per forward."""
+    from tiers.proposers import ModelDraft
+
+    class Stub:
+        blocks = None
+
+        def __init__(self, seconds: float) -> None:
+            self.seconds, self.shapes = seconds, set()
+
+        def forward_scratch(self, rows: list[list[int]], start: int = 0) -> None:
+            shape = (len(rows), len(rows[0]))
+            time.sleep(self.seconds + (0.04 if shape not in self.shapes else 0.0))
+            self.shapes.add(shape)
+
+    spec = SpecController(max_k=2)
+    draft = ModelDraft(
+        Stub(0.001),  # type: ignore[arg-type]
+        spec,
+        vocab_size=8,
+        eos_token_ids=frozenset(),
+        generator=SimpleNamespace(),  # type: ignore[arg-type]
+        max_num_seqs=2,
+    )
+    draft.profile(Stub(0.002), [1, 2, 3], [1, 2], ctx=4)  # type: ignore[arg-type]
+    assert set(spec.target_cost) == {(1, 1), (1, 3), (2, 1), (2, 3)} and set(spec.draft_cost) == {
+        (1, 1),
+        (2, 1),
+    }
+    assert max(spec.target_cost.values()) < 0.02 and max(spec.draft_cost.values()) < 0.02
+    assert fastest(lambda: None, repeats=3) < 0.01
+
+
+def test_a_warm_up_plain_step_far_off_its_first_measurement_explores_at_once() -> None:
+    """The latch seen from outside (a large tier warmed up while both cores ran other work): the
+    profile's 5-token verify came out 2.6x its plain step (1.3x in truth) and kept the predicted gain
+    just under the resume margin; only drafting measures a verify, and the draft's backlog kept the
+    short exploration away. A seeded plain step more than PROFILE_TRUST x off its first live
+    measurement marks the profile suspect, and the next plain choice explores whatever the gates.
+    Catches the check left out, made one-sided (a profile too fast is as wrong), or firing on a
+    figure that was never seeded."""
+
+    def seeded_at(plain: float) -> SpecController:
+        c = SpecController(max_k=2, acceptance=0.8)
+        c.record_target(1, 1, plain)
+        c.record_target(1, 3, 2.6 * plain)  # the busy verify
+        c.record_draft(1, 1, 0.1 * plain)
+        c.seeded()
+        return c
+
+    # rate(0) = 1/p; rate(1) = 1.8 / (1.8 + 0.1) p = 0.95/p (the 2-token verify interpolated at
+    # 1.8x); rate(2) = 2.44 / (2.6 + 0.2) p = 0.87/p: off, behind a backlog of 40; explores with k = 1
+    for seed, live, recheck in ((0.30, 0.03, True), (0.01, 0.03, True), (0.02, 0.028, False)):
+        c = seeded_at(seed)
+        c.record_target(1, 1, live)
+        assert c.recheck is recheck and ("target_cost", (1, 1)) not in c.provisional
+        got = c.choose_k(1, draft_lag=40)
+        assert got == (1 if recheck else 0)
+        if recheck:
+            assert not c.recheck and c.exploring == EXPLORE_STEPS - 1 and c.long_wait == LONG_EXPLORE_WAIT
+    c = SpecController(max_k=2)
+    c.record_target(1, 1, 0.01)
+    c.record_target(1, 1, 0.05)  # never seeded: the moving average, no recheck
+    assert not c.recheck
+
+
+def test_an_exploration_that_catches_the_draft_up_first_waits_longer_each_time() -> None:
+    """At one stream a model draft starts every request a prompt behind (it is fed only while
+    drafting): gated at 8 tokens, drafting that stopped once never came back (the large tier ran
+    at 0.6x until the long wait). A backlog up to EXPLORE_BACKLOG explores, and as each such
+    exploration pays a catch-up, the waits between them double to 8x explore_every; a speculating
+    step resets them; a backlog of 8 or less explores every explore_every steps as before. Catches
+    the doubling lost, left uncapped, applied to short backlogs, or not reset."""
+    every = 2
+    c = profiled(0.1, explore_every=every)
+    gaps, plain = [], 0
+    while len(gaps) < 5:
+        k = c.choose_k(1, draft_lag=40)
+        plain += 1
+        if k:
+            gaps.append(plain)
+            plain = 0
+            for _ in range(EXPLORE_STEPS - 1):
+                assert c.choose_k(1, draft_lag=40) == k
+    assert gaps == [every, 2 * every, 4 * every, 8 * every, 8 * every] and c.long_wait == LONG_EXPLORE_WAIT
+    c.acceptance = 0.9
+    assert c.choose_k(1) > 0 and c.catch_up_wait == 1
+    c.acceptance = 0.1
+    c.steps_without_spec = 0
+    for _ in range(3):  # a short backlog: every explore_every steps, no doubling
+        assert [c.choose_k(1, draft_lag=8) for _ in range(every)] == [0] * (every - 1) + [1]
+        assert [c.choose_k(1, draft_lag=8) for _ in range(EXPLORE_STEPS - 1)] == [1] * (EXPLORE_STEPS - 1)
+    assert c.catch_up_wait == 1
