@@ -72,7 +72,7 @@ class Proposer(Protocol):
     def behind(self, seqs: list[Sequence]) -> tuple[int, int]:
         """Tokens ``seqs``' drafts must read before they can propose: the most of any one (the
         controller resumes drafting only on a clearer win behind it) and all of them together
-        (what an exploration pays first: ``speculative.EXPLORE_BACKLOG``)."""
+        (what an exploration pays first: ``speculative.EXPLORE_BUDGET``)."""
         ...
 
     def on_accept(self, seq: Sequence, num_accepted: int) -> None: ...
@@ -152,7 +152,11 @@ class ModelDraft:
                     "last" if batch.num_spec_tokens[i] else "none",
                 )
             )
+        started = time.perf_counter()
         logits = self.runner.forward(rows)
+        read = sum(len(r.token_ids) for r in rows)
+        if read >= 8 * len(rows):  # a catch-up: what the next exploration's is priced at
+            self.spec.record_catch_up(read, time.perf_counter() - started)
         for i in feeding:
             out.fed[i] = batch.num_draft_tokens[i]
         active = {
@@ -250,6 +254,8 @@ class ModelDraft:
             ):
                 rows = [[prompt[0]] * tokens] * b
                 record(b, tokens, fastest(partial(runner.forward_scratch, rows, start=ctx)))
+        chunk = [prompt[0]] * ctx  # a backlog of ctx tokens, read in one forward
+        self.spec.record_catch_up(ctx, fastest(partial(self.runner.forward_scratch, [chunk])))
         # A full batch's decode step drafts as the controller would: k draft forwards and the
         # target over k + 1 tokens, not the plain forward the seed timed.
         b = self.max_num_seqs

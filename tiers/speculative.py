@@ -28,8 +28,7 @@ NGRAM = "ngram"
 
 
 def fastest(run: Callable[[], object], repeats: int = 2) -> float:
-    """Seconds of the fastest of ``repeats`` calls: what a warm-up profile records. The machine's
-    other work only ever adds time, so the minimum is the estimate it disturbs least."""
+    """Seconds of the fastest of ``repeats`` calls (other work only ever adds time): a profile's figure."""
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
@@ -100,18 +99,14 @@ SPEC_RESUME_MARGIN = 1.25
 """Start (or resume) speculating only above this: the draft first catches up on its backlog."""
 LONG_EXPLORE_WAIT = 32
 """After ``explore_every`` x this many k = 0 steps in a row a tier explores whatever the draft's
-backlog and a perfect draft's predicted rate: both gates read figures that only drafting refreshes
-(the draft's cost, the acceptance), so a warm-up profile taken while the machine was busy kept
-speculation off for good. Measured: the large tier, started beside a second service warming up,
-never drafted through a whole peer run (0.72x its throughput at the previous commit, which drafted
-1,700 tokens). Each such exploration doubles the wait for the next, up to 8x this, until
-speculation resumes."""
-EXPLORE_BACKLOG = 128
-"""Most tokens the drafts may have to read first (all rows together) for a periodic exploration:
-one prompt chunk on the draft (medium's costs four of large's decode steps on the Intel VM). At
-one stream every request starts a prompt behind (the draft is fed only while drafting): gated at
-8 tokens, drafting that stopped once never came back. Each such exploration doubles the next
-one's wait (``catch_up_wait``)."""
+backlog and a perfect draft's predicted rate (both gates read figures only drafting refreshes);
+each such exploration doubles the wait, up to 8x this, until speculation resumes."""
+EXPLORE_BUDGET = 0.02
+"""An exploration first catches the drafts up (fed only while drafting, at one stream they start
+each request a prompt behind): it runs once that catch-up, priced per token as measured, is at
+most this share of the plain decoding since the last one. Gated at 8 tokens, drafting that stopped
+once never came back (large); ungated, medium (whose draft never pays) fell to 0.88x."""
+CATCH_UP = (0, 0)  # SpecController.catch_up_ratio's one key
 PROFILE_TRUST = 1.5
 """A warm-up's plain step this far off (either way) from its first measurement in service marks
 the whole profile suspect (``SpecController.recheck``)."""
@@ -159,17 +154,15 @@ class SpecController:
     long_wait: int = LONG_EXPLORE_WAIT
     """Plain steps (in units of ``explore_every``) before the next exploration that ignores the
     backlog and the ceiling (``LONG_EXPLORE_WAIT``)."""
-    catch_up_wait: int = 1
-    """An exploration that first catches the draft up on more than 8 tokens waits this many times
-    ``explore_every``; each doubles it (up to 8) until speculation resumes."""
+    catch_up_ratio: dict[tuple[int, int], float] = field(default_factory=dict)
+    """``CATCH_UP`` -> seconds a model draft takes per backlog token it reads, over the one-row
+    plain step at the time (``record_catch_up``); none: behind more than 8 tokens, no exploration."""
     recheck: bool = False
-    """A seeded plain step was more than ``PROFILE_TRUST`` x off its first measurement: the profile
-    was taken on a busy machine (contention stretched a 5-token verify twice as much as a plain
-    step), so the next k = 0 choice explores at once, whatever the gates."""
+    """A seeded plain step was over ``PROFILE_TRUST`` x off its first measurement: the profile was
+    taken on a busy machine, so the next k = 0 choice explores at once, whatever the gates."""
     provisional: set[tuple[str, tuple[int, int]]] = field(default_factory=set)
     """(table, key) figures the warm-up seeded (``seeded``): the first measurement in service
-    replaces each instead of moving it by ``ema`` (a busy warm-up's figure, averaged, outlived
-    the one exploration that measured the truth)."""
+    replaces each (averaged, a busy warm-up's figure outlived the exploration that measured it)."""
 
     @staticmethod
     def _interp(points: list[tuple[int, float]], x: int, proportional: bool = True) -> float:
@@ -333,14 +326,11 @@ class SpecController:
                 self.expected_rate(k, batch_size, acceptance=0.999) or 0.0 for k in range(1, self.max_k + 1)
             )
             backlog = draft_lag if draft_backlog is None else draft_backlog
-            catch_up = backlog > 8
-            short = ceiling > (rates[0] or 0.0) and backlog <= EXPLORE_BACKLOG
-            short &= self.steps_without_spec >= self.explore_every * (self.catch_up_wait if catch_up else 1)
+            short = ceiling > (rates[0] or 0.0) and self.steps_without_spec >= self.explore_every
+            short &= self._catch_up_pays(backlog, batch_size)
             long = self.steps_without_spec >= self.explore_every * self.long_wait
             if self.recheck or short or long:
-                if short and catch_up and not self.recheck:
-                    self.catch_up_wait = min(2 * self.catch_up_wait, 8)
-                elif not (short or self.recheck):
+                if not (short or self.recheck):
                     self.long_wait = min(2 * self.long_wait, 8 * LONG_EXPLORE_WAIT)
                 self.recheck = False
                 self.steps_without_spec = 0
@@ -349,16 +339,27 @@ class SpecController:
         else:
             self.steps_without_spec = 0
             self.long_wait = LONG_EXPLORE_WAIT
-            self.catch_up_wait = 1
             self.recheck = False  # drafting measures its figures itself
         return best
+
+    def _catch_up_pays(self, backlog: int, batch_size: int) -> bool:
+        """An exploration's catch-up of ``backlog`` tokens is within ``EXPLORE_BUDGET`` of the plain
+        steps run since the last one (unpriced: only a backlog of 8 tokens or less)."""
+        ratio, one, plain = self.catch_up_ratio.get(CATCH_UP), self._plain(1), self._plain(batch_size)
+        if ratio is None or one is None or plain is None:
+            return backlog <= 8
+        return ratio * one * backlog <= EXPLORE_BUDGET * self.steps_without_spec * plain
+
+    def record_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and (plain := self._plain(1)):
+            self._record("catch_up_ratio", CATCH_UP, seconds / tokens / plain)
 
     def seeded(self) -> None:
         """The warm-up's figures are in: each stands only until its key is first measured in
         service (``provisional``)."""
         self.provisional = {
             (name, key)
-            for name in ("target_cost", "draft_cost", "target_ratio", "draft_ratio")
+            for name in ("target_cost", "draft_cost", "target_ratio", "draft_ratio", "catch_up_ratio")
             for key in getattr(self, name)
         }
 

@@ -610,6 +610,10 @@ async def test_warm_up_figures_are_provisional_until_measured_in_service(
     assert spec.draft_cost and spec.target_cost
     assert {("draft_cost", k) for k in spec.draft_cost} <= spec.provisional
     assert {("target_cost", k) for k in spec.target_cost} <= spec.provisional
+    assert ("catch_up_ratio", (0, 0)) in spec.provisional  # the draft reading a backlog, profiled
+    spec.fixed_k = 2  # drafting from the first decode step, which catches the draft up on the prompt
     await collect(engine, prompts(1, seed=3)[0], greedy(12))
+    spec.fixed_k = None
     assert ("target_cost", (1, 1)) not in spec.provisional  # its one-row decode steps measured it
+    assert ("catch_up_ratio", (0, 0)) not in spec.provisional  # and that catch-up was priced
     worker.remove_engine(engine)

@@ -15,7 +15,8 @@ import pytest
 
 from tiers.sequence import SamplingParams, Sequence
 from tiers.speculative import (
-    EXPLORE_BACKLOG,
+    CATCH_UP,
+    EXPLORE_BUDGET,
     EXPLORE_STEPS,
     LONG_EXPLORE_WAIT,
     SPEC_MARGIN,
@@ -224,19 +225,19 @@ def test_choose_k_speculates_above_the_margin_and_resumes_only_above_the_higher_
 def test_an_exploration_tries_the_best_k_above_zero_and_only_where_it_could_pay() -> None:
     """Plain decoding chosen (a = 0.1) at explore_every = 3: the 3rd plain step explores with the
     k > 0 of the best rate (k = 1 here: 1.1 / 14.5 ms beats 1.11 / 19 ms), for EXPLORE_STEPS
-    steps at most. Not with drafts more than EXPLORE_BACKLOG tokens behind in all (that many is
-    still fine), and never where a perfect draft would lose. Catches the count's boundary (``>=``),
-    the reset of the count, the explored k (max_k instead of the best), the backlog boundary, the
-    ceiling's comparison."""
+    steps at most. Not, with the catch-up unpriced, behind more than 8 tokens (8 is still fine),
+    and never where a perfect draft would lose. Catches the count's boundary (``>=``), the reset of
+    the count, the explored k (max_k instead of the best), the backlog boundary, the ceiling's
+    comparison."""
     c = profiled(0.1, explore_every=3)
     assert [c.choose_k(1, draft_lag=8) for _ in range(3)] == [0, 0, 1]
-    assert c.steps_without_spec == 0 and c.exploring == EXPLORE_STEPS - 1 and c.catch_up_wait == 1
+    assert c.steps_without_spec == 0 and c.exploring == EXPLORE_STEPS - 1
     assert [c.choose_k(1) for _ in range(EXPLORE_STEPS)] == [1] * (EXPLORE_STEPS - 1) + [0]
     assert c.exploring == 0 and c.steps_without_spec == 1
     c = profiled(0.1, explore_every=3)
-    over = [c.choose_k(1, draft_lag=9, draft_backlog=EXPLORE_BACKLOG + 1) for _ in range(5)]
-    assert over == [0] * 5 and c.steps_without_spec == 5
-    assert c.choose_k(1, draft_lag=9, draft_backlog=EXPLORE_BACKLOG) == 1  # past the count: explores
+    assert [c.choose_k(1, draft_lag=1, draft_backlog=9) for _ in range(5)] == [0] * 5
+    assert c.steps_without_spec == 5
+    assert c.choose_k(1, draft_lag=9, draft_backlog=8) == 1  # past the count: explores
     # Verifying 3 tokens costs 3 plain steps and a draft forward 1: even a = 0.999 loses to plain.
     c = SpecController(max_k=2, acceptance=0.1, explore_every=1)
     c.record_target(1, 1, 0.010)
@@ -531,6 +532,7 @@ def test_the_profile_records_the_fastest_forward_of_each_shape() -> None:
         (2, 1),
     }
     assert max(spec.target_cost.values()) < 0.02 and max(spec.draft_cost.values()) < 0.02
+    assert spec.catch_up_ratio[CATCH_UP] < 0.02 / 4 / spec.target_cost[(1, 1)]  # 4 tokens of backlog read
     assert fastest(lambda: None, repeats=3) < 0.01
 
 
@@ -567,30 +569,27 @@ def test_a_warm_up_plain_step_far_off_its_first_measurement_explores_at_once() -
     assert not c.recheck
 
 
-def test_an_exploration_that_catches_the_draft_up_first_waits_longer_each_time() -> None:
+def test_an_exploration_waits_until_its_catch_up_is_a_small_share_of_the_plain_decoding() -> None:
     """At one stream a model draft starts every request a prompt behind (it is fed only while
-    drafting): gated at 8 tokens, drafting that stopped once never came back (the large tier ran
-    at 0.6x until the long wait). A backlog up to EXPLORE_BACKLOG explores, and as each such
-    exploration pays a catch-up, the waits between them double to 8x explore_every; a speculating
-    step resets them; a backlog of 8 or less explores every explore_every steps as before. Catches
-    the doubling lost, left uncapped, applied to short backlogs, or not reset."""
-    every = 2
-    c = profiled(0.1, explore_every=every)
-    gaps, plain = [], 0
-    while len(gaps) < 5:
-        k = c.choose_k(1, draft_lag=40)
-        plain += 1
-        if k:
-            gaps.append(plain)
-            plain = 0
-            for _ in range(EXPLORE_STEPS - 1):
-                assert c.choose_k(1, draft_lag=40) == k
-    assert gaps == [every, 2 * every, 4 * every, 8 * every, 8 * every] and c.long_wait == LONG_EXPLORE_WAIT
-    c.acceptance = 0.9
-    assert c.choose_k(1) > 0 and c.catch_up_wait == 1
-    c.acceptance = 0.1
-    c.steps_without_spec = 0
-    for _ in range(3):  # a short backlog: every explore_every steps, no doubling
-        assert [c.choose_k(1, draft_lag=8) for _ in range(every)] == [0] * (every - 1) + [1]
-        assert [c.choose_k(1, draft_lag=8) for _ in range(EXPLORE_STEPS - 1)] == [1] * (EXPLORE_STEPS - 1)
-    assert c.catch_up_wait == 1
+    drafting): gated at 8 tokens, drafting that stopped once never came back (the large tier); with
+    no gate, the medium tier, whose draft never pays, caught up every 64 steps and ran at 0.88x. The
+    catch-up is priced at the draft's measured seconds per token: here 1 ms against a 10 ms plain
+    step, so 40 tokens cost 4 plain steps, and at a 2% budget the exploration comes after 200
+    plain steps (not 199; the long wait would come at 320); 4 tokens after 20. Catches
+    the budget's side or unit (the batch's plain step vs the one-row one), the price ignored, the
+    backlog not summed."""
+    c = profiled(0.1, explore_every=10)
+    c.record_catch_up(40, 0.040)
+    assert c.catch_up_ratio[CATCH_UP] == pytest.approx(0.1)
+    wait = round(40 * 0.1 / EXPLORE_BUDGET)
+    assert wait == 200
+    assert [c.choose_k(1, draft_lag=20, draft_backlog=40) for _ in range(wait)] == [0] * (wait - 1) + [1]
+    c = profiled(0.1, explore_every=10)
+    c.record_catch_up(40, 0.040)
+    assert [c.choose_k(1, draft_lag=4, draft_backlog=4) for _ in range(20)] == [0] * 19 + [1]
+    # At batch 4 (plain 20 ms: 2x the one-row step) the same catch-up is 2 plain steps: 100.
+    c = profiled(0.1, explore_every=10)
+    c.record_target(4, 1, 0.020)
+    c.record_target(4, 3, 0.030)
+    c.record_catch_up(40, 0.040)
+    assert [c.choose_k(4, draft_lag=10, draft_backlog=40) for _ in range(100)] == [0] * 99 + [1]
