@@ -42,12 +42,12 @@ class _Timed:
     """The head, timing each call (the step calls it once)."""
 
     def __init__(self, head: Any) -> None:
-        self.head, self.seconds = head, [0.0]
+        self.head, self.seconds = head, 0.0
 
     def __call__(self, x: Any) -> Any:
         started = time.perf_counter()
         y = self.head(x)
-        self.seconds[-1] += time.perf_counter() - started
+        self.seconds += time.perf_counter() - started
         return y
 
 
@@ -83,12 +83,12 @@ def _steps(runners: dict[str, Any], repeats: int) -> dict[str, Any]:
             for name, r in runners.items():
                 rows = [RowInput(tables[name][i], ctx[i], [5], "last") for i in range(int(shape))]
                 r.forward(rows)
-                r.lm_head.seconds = [0.0]
+                r.lm_head.seconds = 0.0
                 started = time.perf_counter()
                 for _ in range(calls):
                     r.forward(rows)
                 step[name][shape].append((time.perf_counter() - started) / calls * 1000)
-                head[name][shape].append(r.lm_head.seconds[0] / calls * 1000)
+                head[name][shape].append(r.lm_head.seconds / calls * 1000)
     for r in runners.values():
         r.lm_head = r.lm_head.head
     return {

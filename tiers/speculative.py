@@ -327,7 +327,7 @@ class SpecController:
             )
             backlog = draft_lag if draft_backlog is None else draft_backlog
             short = ceiling > (rates[0] or 0.0) and self.steps_without_spec >= self.explore_every
-            short &= self._catch_up_pays(backlog, batch_size)
+            short = short and self._catch_up_pays(backlog, batch_size)  # priced only when due
             long = self.steps_without_spec >= self.explore_every * self.long_wait
             if self.recheck or short or long:
                 if not (short or self.recheck):
