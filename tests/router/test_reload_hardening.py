@@ -4,6 +4,7 @@ new one instead of waiting on an engine nobody steps any more."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -127,7 +128,11 @@ def test_a_revoked_key_is_refused_while_an_engine_rebuild_is_in_progress(
         assert status("sk-revoke") == 200
         path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False, auth=auth, max_num_seqs=6))
         assert building.wait(20)
-        keys.write_text("sk-keep\n")
+        # Replaced whole, as a Secret update or an editor's save does: written in place, the
+        # watcher can read the truncated file between open and write, which revokes every key
+        # (fail closed) until its next read, and sk-keep's request below could land in between.
+        (tmp_path / "keys.new").write_text("sk-keep\n")
+        os.replace(tmp_path / "keys.new", keys)
         _wait(lambda: status("sk-revoke") == 401, 10)
         assert status("sk-keep") == 200  # the old engines keep serving meanwhile
     finally:

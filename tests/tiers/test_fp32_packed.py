@@ -116,7 +116,12 @@ def test_an_invariant_linear_gives_each_row_the_same_bits_in_any_batch(
             assert torch.equal(mod(x[:rows]), alone[:rows]), rows
         ref = x.double() @ mod.weight.detach().double().T
         assert (alone.double() - ref).abs().max() < 1e-3
-    if fp32_packed.is_batch_invariant(mod):
+    if not fp32_packed.is_batch_invariant(mod):
+        return
+    if mod.backend == "kernel":  # both libraries failed the check on this CPU: the fallback
+        assert _ran(lambda: mod(x[:1]), "tiered_router::f32_linear")
+        assert _ran(lambda: mod(x), "tiered_router::f32_linear")
+    else:
         assert _ran_packed_gemm(lambda: mod(x[:1]), mod.backend)
         assert _ran_packed_gemm(lambda: mod(x), mod.backend)
         assert not _ran(lambda: mod(x[:1]), "tiered_router::f32_linear")
