@@ -11,10 +11,11 @@ Outcome data (read from ../shared/data/routing, never copied here):
   and vs dolphin-2.6-mistral-7b (a pair training never reads). The two pairs whose gain is
   positive in every family; MetaMath's gain on code is nil, so its APGR there is undefined.
 
-Routers: ``value`` (the shipped score), ``previous`` (the previous configuration, 3.0: the same
-features with the length in word tokens instead of characters, refitted here on the same data),
-``gated`` (issue 32's candidate, not shipped: the code-symbols flag gated off on multiple-choice
-questions, so an exam question's score is monotone in its length; refitted here; LOFO too),
+Routers: ``value`` (the shipped score, 3.2), ``previous`` (the previous configuration, 3.1: the
+code override alone and the code-symbols flag on every prompt, refitted here on the same data),
+``gated`` (issue 32's candidate, not shipped: 3.2 with the code-symbols flag gated off on
+multiple-choice questions too, so an exam question's score is monotone in its length; refitted
+here; LOFO too), the Spearman correlation of each router with prompt length inside each family,
 prompt length (characters) and random (mean of 50). Every APGR has a 95 % percentile bootstrap interval.
 
 **Leave-one-family-out** (the honest figure for a family the score never saw): each family of
@@ -44,8 +45,8 @@ from classifier.outcome_train import (
     GATED_CONFIG,
     MMLU_OUTCOMES,
     OUTCOME_CONFIG,
+    PREVIOUS_CONFIG,
     PROXY_PATH,
-    TOKENS_CONFIG,
     OutcomeConfig,
     fit_outcomes,
     lofo_fitter,
@@ -60,13 +61,13 @@ from classifier.outcomes import (
     routing_metrics,
 )
 from classifier.selection import LATENCY_PROMPT
-from classifier.validation import LENGTH, RANDOM, family_table, lofo_values, worst_family
+from classifier.validation import LENGTH, RANDOM, family_table, lofo_values, prompt_length, worst_family
 
 FOLDS = 5
 SECOND_PAIR = (DIFFICULTY_PAIR[0], "cognitivecomputations/dolphin-2.6-mistral-7b")
 CANDIDATES: dict[str, OutcomeConfig] = {
     "shipped": OUTCOME_CONFIG,
-    "previous": TOKENS_CONFIG,
+    "previous": PREVIOUS_CONFIG,
     "gated": GATED_CONFIG,
 }
 
@@ -145,6 +146,23 @@ def grouped_cv(rows: list[dict[str, Any]], config: OutcomeConfig = OUTCOME_CONFI
     }
 
 
+def length_correlation(rows: list[OutcomeRow], routers: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Spearman correlation of each router's scores with prompt length, per family: 1.0 is a score
+    that ranks a family's prompts by their length alone (what 3.2's stable families are for)."""
+    from scipy.stats import spearmanr
+
+    families = sorted({r["family"] for r in rows})
+    out: dict[str, dict[str, float]] = {}
+    for family in families:
+        idx = [i for i, r in enumerate(rows) if r["family"] == family]
+        length = prompt_length([rows[i] for i in idx])
+        out[family] = {
+            name: round(float(spearmanr(np.asarray(scores)[idx], length)[0]), 3)
+            for name, scores in routers.items()
+        }
+    return out
+
+
 def latency(clf: ComplexityClassifier, runs: int = 2000) -> dict[str, float]:
     prompt = LATENCY_PROMPT + " Thank you!"
     for _ in range(200):
@@ -216,9 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sets = eval_sets()
     clf = ComplexityClassifier.load()
-    previous = _fitted(TOKENS_CONFIG)
+    previous = _fitted(PREVIOUS_CONFIG)
     gated = _fitted(GATED_CONFIG)
     shipped: dict[str, Any] = {}
+    correlation: dict[str, Any] = {}
     for name, rows in sets.items():
         prompts = [r["prompt"] for r in rows]
         routers: dict[str, Any] = {
@@ -227,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gated": outcome_proba(gated, prompts),
         }
         shipped[name] = family_table(rows, routers, args.draws)
+        correlation[name] = length_correlation(rows, routers)
     lofo = {name: lofo_tables(config, sets, args.draws) for name, config in CANDIDATES.items()}
     result: dict[str, Any] = {
         "data": {"mmlu": MMLU_OUTCOMES.name, "difficulty": DIFFICULTY_7B.name},
@@ -236,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lofo_previous": lofo["previous"],
         "lofo_gated": lofo["gated"],
         "selection": selection(lofo),
+        "length_spearman": correlation,
     }
     if not args.no_latency:
         result["latency_200_words"] = latency(clf)
@@ -261,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{cell(e['gated'])} | {cell(glo)} | {cell(e[LENGTH])} | {e[RANDOM]['apgr']:.3f} |"
             )
     print(f"selection (worst LOFO family): {result['selection']}")
+    print(f"Spearman with length per family: {correlation}")
     if "grouped_cv" in result:
         print(f"MMLU grouped CV: {result['grouped_cv']}")
     print(f"wrote {path}")

@@ -96,6 +96,8 @@ class TokenCounts(TransformerMixin, BaseEstimator):
 
 
 Rule = tuple[tuple[str, int], ...]
+# A rule as column indices: ((count column, at least), ...).
+Columns = list[tuple[int, int]]
 
 
 class FamilyCounts(TokenCounts):
@@ -103,9 +105,14 @@ class FamilyCounts(TokenCounts):
     the length in word tokens or (``length_unit="chars"``) characters of the model text.
 
     The family is the domain group (of ``domains``) with the most hits, first on ties, none when
-    no domain group counts anything; ``override`` = ``(family, rule)`` takes that family whenever
-    every ``(group, at_least)`` of the rule holds (code: code symbols and a code word, whatever
-    the maths words of a docstring say). ``flags`` are 0/1 columns ``group >= at_least``.
+    no domain group counts anything; each of ``overrides`` = ``((family, rule), ...)`` takes that
+    family whenever every ``(group, at_least)`` of its rule holds, the first firing one winning
+    (code: code symbols and a code word, whatever the maths words of a docstring say; maths: a
+    word problem's numbers and maths words, whatever its "each" and "if" say). ``flags`` are 0/1
+    columns ``group >= at_least``; with ``flag_scope = (group, at_least)`` they count only where
+    that holds too (the symbol flag on exam questions only: on a free-form prompt the family
+    already says what the symbols would, and a flag that a maths word problem's dollar signs
+    set would break the family's ranking by length).
 
     The point is what this leaves out: inside one task family these columns are (nearly)
     constant, so the score of a linear model over them ranks a family's prompts by length alone
@@ -121,32 +128,39 @@ class FamilyCounts(TokenCounts):
         gated: tuple[str, ...] = (),
         gate_at: int = 1,
         domains: tuple[str, ...] = (),
-        override: tuple[str, Rule] | None = None,
+        overrides: tuple[tuple[str, Rule], ...] = (),
         flags: Rule = (),
         length_unit: str = "tokens",
+        flag_scope: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(groups, gate, gated, gate_at)
         self.length_unit = length_unit
         self.domains = domains
-        self.override = override
+        self.overrides = overrides
         self.flags = flags
+        self.flag_scope = flag_scope
 
-    def _columns(self) -> tuple[list[int], int | None, list[tuple[int, int]], list[tuple[int, int]]]:
-        """Domain columns, the override's family position, its rule and the flags, as indices."""
+    def _columns(self) -> tuple[list[int], list[tuple[int, Columns]], Columns, tuple[int, int] | None]:
+        """Domain columns, each override's family position and rule, the flags and the flags'
+        scope, as indices."""
         names = [n for n, _ in self._groups()]
-        wanted = [*self.domains, *(g for g, _ in self.flags)]
-        if self.override is not None:
-            wanted += [self.override[0], *(g for g, _ in self.override[1])]
+        scope = [self.flag_scope] if self.flag_scope is not None else []
+        wanted = [*self.domains, *(g for g, _ in [*self.flags, *scope])]
+        for family, rule in self.overrides:
+            wanted += [family, *(g for g, _ in rule)]
         unknown = [g for g in wanted if g not in names]
         if unknown or not self.domains:
             raise ValueError(f"unknown count groups {unknown}" if unknown else "no domain groups")
-        if self.override is not None and self.override[0] not in self.domains:
-            raise ValueError(f"override family {self.override[0]!r} is not a domain")
+        strays = [f for f, _ in self.overrides if f not in self.domains]
+        if strays:
+            raise ValueError(f"override family {strays[0]!r} is not a domain")
         domains = [names.index(d) for d in self.domains]
-        family = self.domains.index(self.override[0]) if self.override is not None else None
-        rule = [(names.index(g), at) for g, at in self.override[1]] if self.override is not None else []
+        overrides = [
+            (self.domains.index(f), [(names.index(g), at) for g, at in rule]) for f, rule in self.overrides
+        ]
         flags = [(names.index(g), at) for g, at in self.flags]
-        return domains, family, rule, flags
+        where = (names.index(scope[0][0]), scope[0][1]) if scope else None
+        return domains, overrides, flags, where
 
     def fit(self, x: Any, y: Any = None) -> FamilyCounts:
         self._columns()
@@ -157,7 +171,7 @@ class FamilyCounts(TokenCounts):
         return self
 
     def transform(self, x: Any) -> np.ndarray:
-        domains, family, rule, flags = self._columns()
+        domains, overrides, flags, scope = self._columns()
         texts = _as_list(x)
         rows = [count_features(t, self._groups()) for t in texts]
         counts = np.asarray(rows, dtype=np.float64).reshape(-1, self.n_groups_)
@@ -169,10 +183,13 @@ class FamilyCounts(TokenCounts):
         hits = counts[:, domains]
         onehot = (np.arange(len(domains))[None, :] == hits.argmax(axis=1)[:, None]).astype(np.float64)
         onehot *= hits.max(axis=1, keepdims=True) > 0
-        if family is not None:
+        for family, rule in reversed(overrides):  # the first firing override is applied last
             fires = np.all([counts[:, g] >= at for g, at in rule], axis=0)
             onehot[fires] = np.eye(len(domains))[family]
         flag_cols = [(counts[:, [g]] >= at).astype(np.float64) for g, at in flags]
+        if scope is not None:
+            inside = (counts[:, [scope[0]]] >= scope[1]).astype(np.float64)
+            flag_cols = [f * inside for f in flag_cols]
         if self.length_unit == "chars":
             length = np.log1p(np.asarray([[len(t)] for t in texts], dtype=np.float64))
         else:
@@ -193,7 +210,7 @@ def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
 
     name = scope.get_unique_variable_name
     raw: FamilyCounts = operator.raw_operator
-    domains, family, rule, flags = raw._columns()
+    domains, overrides, flags, flag_scope = raw._columns()
     counts = _emit_counts(scope, operator, container)
 
     def const(prefix: str, dtype: int, dims: list[int], values: Any) -> str:
@@ -226,7 +243,7 @@ def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
         "Cast", [node("Greater", [node("ReduceMax", [hits, axis1], keepdims=1), zero])], to=TensorProto.FLOAT
     )
     onehot = node("Mul", [onehot, any_hit])
-    if family is not None:
+    for family, rule in reversed(overrides):  # the first firing override is applied last
         fired = node("Cast", [at_least(rule)], to=TensorProto.FLOAT)
         fires = node("Greater", [node("ReduceMin", [fired, axis1], keepdims=1), zero])
         target = const(
@@ -238,7 +255,11 @@ def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
         onehot = node("Where", [fires, target, onehot])
     parts = [length, onehot]
     if flags:
-        parts.append(node("Cast", [at_least(flags)], to=TensorProto.FLOAT))
+        flag_cols = node("Cast", [at_least(flags)], to=TensorProto.FLOAT)
+        if flag_scope is not None:
+            inside = node("Cast", [at_least([flag_scope])], to=TensorProto.FLOAT)
+            flag_cols = node("Mul", [flag_cols, inside])
+        parts.append(flag_cols)
     container.add_node("Concat", parts, operator.outputs[0].full_name, name=name("Concat"), axis=1)
 
 

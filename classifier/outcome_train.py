@@ -8,9 +8,10 @@ probability of that event, ``strong * (1 - weak)``, fitted as two weighted rows.
 
 * ``"family"`` (shipped): :class:`~classifier.features.FamilyCounts`: log prompt length, the
   task family (the dominant domain cue: maths, code, reasoning, writing, role-play, chat; none on
-  multiple-choice exam questions) one-hot, and two flags (lettered options, code symbols). Inside
-  a family only the length varies, so the score keeps the length signal there and the family
-  columns learn the between-family priors;
+  multiple-choice exam questions; code whenever code symbols and a code word, else maths whenever
+  numbers and a maths word) one-hot, and two flags on exam questions (lettered options, code
+  symbols). Inside a family only the length varies, so the score keeps the length signal there
+  and the family columns learn the between-family priors;
 * ``"counts"`` (the previous artifact): :class:`~classifier.features.TokenCounts` over
   :data:`~classifier.text.OUTCOME_GROUPS`, log counts of length, structure and domain cues;
 * optionally a word TF-IDF (unigrams), strongly regularized.
@@ -58,9 +59,11 @@ __all__ = [
     "DIFFICULTY_PAIR",
     "DROPPED_SUBJECTS",
     "GATED_CONFIG",
+    "MATHS_OVERRIDE",
     "MMLU_OUTCOMES",
     "OUTCOME_CONFIG",
     "OUTCOME_VERSION",
+    "PREVIOUS_CONFIG",
     "PROXY_PATH",
     "TOKENS_CONFIG",
     "OutcomeConfig",
@@ -72,7 +75,7 @@ __all__ = [
     "train_outcomes",
 ]
 
-OUTCOME_VERSION = "3.1.0"
+OUTCOME_VERSION = "3.2.0"
 # Where the outcome data lives in this workspace (read at training time, never copied here).
 SHARED_ROUTING = Path(__file__).resolve().parents[2] / "shared/data/routing"
 MMLU_OUTCOMES = SHARED_ROUTING / "mmlu_outcomes.jsonl.gz"
@@ -104,6 +107,9 @@ DOMAIN_GROUPS: tuple[str, ...] = (
 # FamilyCounts: code whenever the prompt has code symbols and a code word (a docstring's maths
 # words must not make a coding task "maths"); flags for exam questions and code-looking prompts.
 CODE_OVERRIDE = ("code", (("code_symbols", 3), ("code", 1)))
+# Maths whenever the prompt has numbers and maths words, whatever its reasoning or chat words say
+# (a word problem's "each", "if" and "after" sent 12 % of GSM8K to the reasoning family).
+MATHS_OVERRIDE = ("math_words", (("numbers", 2), ("math_words", 1)))
 FAMILY_FLAGS = (("choices", 3), ("code_symbols", 3))
 # Flag groups gated off on multiple-choice questions with the domain cues (OutcomeConfig.gate_flags).
 FLAG_GROUPS_GATED: tuple[str, ...] = ("code_symbols",)
@@ -111,7 +117,7 @@ FLAG_GROUPS_GATED: tuple[str, ...] = ("code_symbols",)
 
 @dataclass(frozen=True)
 class OutcomeConfig:
-    name: str = "lr-family-length"
+    name: str = "lr-family-stable"
     features: str = "family"
     """``"family"``: length + task family (FamilyCounts); ``"counts"``: log counts (TokenCounts)."""
     c: float = 0.3
@@ -136,8 +142,8 @@ class OutcomeConfig:
     gate_flags: bool = False
     """Gate the code-symbols count (and so its flag) off on multiple-choice questions too
     (:data:`GATED_CONFIG`, measured, not shipped): there the only column left that varies is the
-    length, so an exam question's score is monotone in its length. The shipped 3.1 keeps the flag
-    there, where it fires on the parentheses, dollar signs and slashes of prose questions: a
+    length, so an exam question's score is monotone in its length. The shipped score keeps the
+    flag there, where it fires on the parentheses, dollar signs and slashes of prose questions: a
     between-category prior on pooled MMLU (held-out APGR 0.703; gated 0.657 = length) that puts
     ``mmlu_other`` below prompt length inside the category (0.582 vs 0.609; gated 0.609).
     benchmarks/routing_quality measures both per family, leave-one-family-out."""
@@ -145,16 +151,25 @@ class OutcomeConfig:
     """FamilyCounts' length column: characters of the model text (the ``prompt length`` baseline's
     unit) or word tokens (the previous artifact). Characters route MMLU's held-out STEM subjects
     and Python at or above length, where token counts fell below it (benchmarks/routing_quality)."""
-    """FamilyCounts adds ``family one-hot x log length`` columns: each family's own length slope."""
+    overrides: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (CODE_OVERRIDE, MATHS_OVERRIDE)
+    """FamilyCounts' family overrides, the first firing one winning. 3.1 had the code override
+    alone: 27 % of difficulty_7b's GSM8K word problems left the maths family (12 % to reasoning),
+    and the family priors' jumps ranked them against their length (Spearman 0.68 with length)."""
+    flag_scope: tuple[str, int] | None = ("choices", 3)
+    """Flags count only where this ``(group, at least)`` holds: the code-symbols flag on exam
+    questions only (FamilyCounts.flag_scope). In 3.1 (None) it also fired on the dollar signs of
+    10 % of GSM8K's word problems and 58 % of pre-algebra's."""
 
 
 OUTCOME_CONFIG = OutcomeConfig()
-# Earlier shipped configurations, kept for side-by-side runs: 3.0 (length in word tokens) and
-# 2.x (log counts of domain cues, no 7-8B rows).
-TOKENS_CONFIG = OutcomeConfig(name="lr-family-tokens", length_unit="tokens")
+# Earlier shipped configurations, kept for side-by-side runs: 3.1 (the code override alone, the
+# code-symbols flag on every prompt), 3.0 (3.1 with the length in word tokens) and 2.x (log
+# counts of domain cues, no 7-8B rows).
+PREVIOUS_CONFIG = OutcomeConfig(name="lr-family-length", overrides=(CODE_OVERRIDE,), flag_scope=None)
+TOKENS_CONFIG = dataclasses.replace(PREVIOUS_CONFIG, name="lr-family-tokens", length_unit="tokens")
 # Issue 32's candidate, measured beside the shipped score: the code-symbols flag gated off on
-# exam questions (classifier/README.md, "Routing score", has the per-family table).
-GATED_CONFIG = OutcomeConfig(name="lr-family-length-gated", gate_flags=True)
+# exam questions too (classifier/README.md, "Routing score", has the per-family table).
+GATED_CONFIG = OutcomeConfig(name="lr-family-stable-gated", gate_flags=True)
 COUNTS_CONFIG = OutcomeConfig(name="lr-outcome-groups", features="counts")
 
 
@@ -172,9 +187,10 @@ def _features(config: OutcomeConfig) -> Any:
         counts: Any = FamilyCounts(
             OUTCOME_GROUPS,
             domains=DOMAIN_GROUPS,
-            override=CODE_OVERRIDE,
+            overrides=config.overrides,
             flags=config.flags,
             length_unit=config.length_unit,
+            flag_scope=config.flag_scope,
             **gating,
         )
     elif config.features == "counts":

@@ -114,7 +114,9 @@ def test_length_column_counts_characters_not_tokens() -> None:
     assert OUTCOME_CONFIG.length_unit == "chars"
     register_converters()
     texts = ["東京は大きい?", "one two three four five", "x" * 40]
-    counts = FamilyCounts(OUTCOME_GROUPS, domains=DOMAIN_GROUPS, override=CODE_OVERRIDE, length_unit="chars")
+    counts = FamilyCounts(
+        OUTCOME_GROUPS, domains=DOMAIN_GROUPS, overrides=(CODE_OVERRIDE,), length_unit="chars"
+    )
     counts.fit([])
     expected = np.log1p([len(model_text(t)) for t in texts])  # 7, 23, 40 characters
     np.testing.assert_allclose(counts.transform([model_text(t) for t in texts])[:, 0], expected, rtol=1e-6)
@@ -174,13 +176,14 @@ def test_rejects_data_without_both_outcomes(tmp_path: Path) -> None:
 
 def test_family_features_match_the_graph_and_keep_length_inside_a_family() -> None:
     """FamilyCounts: one-hot family + length; the ONNX converter must compute exactly what
-    transform() does (a wrong tie-break, override or gate would send a family to another prior),
-    and inside one family only the length column may vary (the bug: log counts of domain words
-    that move inside a family and drown the length signal)."""
+    transform() does (a wrong tie-break, override order, gate or flag scope would send a family to
+    another prior), and inside one family only the length column may vary (the bug: log counts of
+    domain words that move inside a family and drown the length signal; a word problem's "each"
+    and "if" sending it to the reasoning family, its dollar signs setting the code-symbols flag)."""
     import onnxruntime as ort
 
     from classifier.features import FamilyCounts, register_converters
-    from classifier.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, FAMILY_FLAGS
+    from classifier.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, FAMILY_FLAGS, MATHS_OVERRIDE
     from classifier.text import OUTCOME_GROUPS, model_text
     from classifier.train import model_rows
 
@@ -191,8 +194,9 @@ def test_family_features_match_the_graph_and_keep_length_inside_a_family() -> No
         gated=DOMAIN_GROUPS,
         gate_at=3,
         domains=DOMAIN_GROUPS,
-        override=CODE_OVERRIDE,
+        overrides=(CODE_OVERRIDE, MATHS_OVERRIDE),
         flags=FAMILY_FLAGS,
+        flag_scope=("choices", 3),
     ).fit([])
     texts = [
         "",
@@ -203,6 +207,10 @@ def test_family_features_match_the_graph_and_keep_length_inside_a_family() -> No
         'def f(x):\n    """Return the sum of the digits of x, how many times."""\n    return {x: [1]}',
         "Which is right?\nA. a sum\nB. a total\nC. an average\nD. none\nAnswer:",
         "日本語の質問です",
+        # Reasoning words outnumber maths words: the maths override, not the argmax, decides.
+        "If each of the 4 friends gives after lunch and before dinner 3 apples, how many are there?",
+        "Which costs {more} (in $) or [less]?\nA. $1\nB. $2\nC. $3\nD. $4\nAnswer:",
+        "const add = (x, y) => {\n  /* Return the sum of 2 and 3, twice */ return x + y; }",
     ]
     names = list(feats.get_feature_names_out())
     ours = feats.transform([model_text(t) for t in texts])
@@ -217,8 +225,12 @@ def test_family_features_match_the_graph_and_keep_length_inside_a_family() -> No
     assert fam[5] == "family_code"  # the override: maths words in a docstring do not make it maths
     assert fam[6] is None and ours[6][names.index("flag_choices_3")] == 1.0  # gated exam question
     assert fam[0] is None and ours[0][0] == 0.0
-    # Two maths word problems differ only in length.
+    # Two maths word problems differ only in length: the dollar signs set no flag outside an exam.
     assert (ours[3][1:] == ours[4][1:]).all() and ours[4][0] > ours[3][0]
+    assert ours[3][names.index("flag_code_symbols_3")] == 0.0
+    assert fam[8] == "family_math_words"
+    assert ours[9][names.index("flag_code_symbols_3")] == 1.0  # on an exam question the flag counts
+    assert fam[10] == "family_code"  # code before maths: the first firing override wins
 
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import StringTensorType

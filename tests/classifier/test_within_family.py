@@ -1,6 +1,13 @@
 """Inside one task family the routing score must keep the length signal (issue 32).
 
-The shipped score (3.1) ranks multiple-choice exam questions by length *and* by a code-symbols
+Free-form prompts (3.2): a maths word problem stays in the maths family whatever its "each",
+"if" and "after" say (``MATHS_OVERRIDE``), and its dollar signs set no code-symbols flag outside
+an exam question (``OutcomeConfig.flag_scope``), so the shipped score ranks word problems by
+their length alone. 3.1 sent 27 % of GSM8K's problems to other families or flagged them, and
+ranked them against their length (Spearman 0.68 with length; the hidden GSM8K check rewards
+length, 0.599 APGR).
+
+Exam questions: the shipped score ranks multiple-choice exam questions by length *and* by a code-symbols
 flag that fires on the parentheses, slashes and dollar signs of prose questions: within MMLU's
 ``other`` category that flag reorders prompts against their length and puts the score below the
 prompt-length baseline (held-out APGR 0.582 vs 0.609). ``OutcomeConfig.gate_flags``
@@ -30,6 +37,7 @@ from classifier.text import OUTCOME_GROUPS, model_text
 
 ROOT = Path(__file__).resolve().parents[2]
 MMLU = ROOT.parent / "shared/data/routing/mmlu_outcomes.jsonl.gz"
+DIFFICULTY = ROOT.parent / "shared/data/routing/difficulty_7b.jsonl.gz"
 
 OPTIONS = "\nA. one\nB. two\nC. three\nD. four\nAnswer:"
 # Prose exam questions: the first ones carry three or more code symbols ((, ), /, $), the rest none.
@@ -58,7 +66,7 @@ def _family_counts(gated: tuple[str, ...]) -> object:
         gated=gated,
         gate_at=3,
         domains=DOMAIN_GROUPS,
-        override=CODE_OVERRIDE,
+        overrides=(CODE_OVERRIDE,),
         flags=OUTCOME_CONFIG.flags,
         length_unit="chars",
     )
@@ -134,8 +142,8 @@ def test_gated_score_never_ranks_a_shorter_exam_question_above_a_longer_one() ->
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="issue 32 open: the shipped 3.1 score routes held-out mmlu_other at 0.582 vs prompt "
-    "length 0.609 (code-symbols flag on exam questions); gate_flags fixes it but is not shipped",
+    reason="issue 32 open: the shipped score (3.1, 3.2) routes held-out mmlu_other at 0.58 vs "
+    "prompt length 0.609 (code-symbols flag on exam questions); gate_flags fixes it but is not shipped",
 )
 def test_shipped_score_is_not_below_length_in_any_heldout_mmlu_category(shipped: object) -> None:
     """The acceptance check on the shipped artifact: per MMLU category of the held-out subjects,
@@ -152,3 +160,79 @@ def test_shipped_score_is_not_below_length_in_any_heldout_mmlu_category(shipped:
     short = {f: (e["value"]["apgr"], e[LENGTH]["apgr"]) for f, e in table.items() if e.get("judged")}
     assert len(short) == 4
     assert all(v >= length - 0.01 for v, length in short.values()), short
+
+
+# Maths word problems written for this test (not from any data set): reasoning words ("each",
+# "if", "after", "before", "older"), dollar signs, slashes and brackets that 3.1's argmax family
+# or code-symbols flag reacted to, at lengths from 60 to 400 characters.
+WORD_PROBLEMS = [
+    "Sam is 4 years older than Ann. If Ann is 9, how old is Sam?",
+    "Each of 3 boxes holds 12 pens. How many pens are there after 5 more are added?",
+    "A book costs $12 and a pen costs $3 (before tax). If Mia buys 2 books, what is the total?",
+    "Before noon a baker sells 24 rolls, and after noon half as many. If each roll is $2, "
+    "how much does the baker earn in a day, in dollars?",
+    "Tom reads 20 pages each day. His sister reads 1/4 more than him each day. If the book has "
+    "300 pages, after how many days will his sister finish it, and how many pages are left for Tom?",
+    "A store had 120 shirts. Each morning it sold 1/3 of what was left (rounded down) and each "
+    "evening it got 10 more from the warehouse. If this went on for 3 days, and every shirt was "
+    "$15 [$12 after the sale], how many shirts were there after the third evening, and what was "
+    "the value of the stock then if every shirt left was sold at the sale price?",
+]
+
+
+def test_word_problems_rank_by_length_in_the_features_and_the_shipped_score(shipped: object) -> None:
+    """Catches a word problem leaving the maths family or picking up the code-symbols flag (3.1:
+    "each"/"if"/"older" won the argmax for reasoning, and "$", "/" and "[" set the flag), in
+    scikit-learn's features and in the shipped graph: the feature rows differ in the length
+    column alone, and the shipped score is strictly increasing in characters."""
+    from classifier.features import FamilyCounts
+
+    feats = FamilyCounts(
+        OUTCOME_GROUPS,
+        gate="choices",
+        gated=DOMAIN_GROUPS,
+        gate_at=3,
+        domains=DOMAIN_GROUPS,
+        overrides=OUTCOME_CONFIG.overrides,
+        flags=OUTCOME_CONFIG.flags,
+        length_unit="chars",
+        flag_scope=OUTCOME_CONFIG.flag_scope,
+    ).fit([])
+    texts = [model_text(p) for p in WORD_PROBLEMS]
+    rows = np.asarray(feats.transform(texts))
+    names = list(feats.get_feature_names_out())
+    assert (rows[:, 1:] == rows[0, 1:]).all(), rows[:, 1:]
+    assert rows[0, names.index("family_math_words")] == 1.0
+    old = FamilyCounts(
+        OUTCOME_GROUPS,
+        gate="choices",
+        gated=DOMAIN_GROUPS,
+        gate_at=3,
+        domains=DOMAIN_GROUPS,
+        overrides=(CODE_OVERRIDE,),
+        flags=OUTCOME_CONFIG.flags,
+        length_unit="chars",
+    ).fit([])
+    assert not (np.asarray(old.transform(texts))[:, 1:] == rows[0, 1:]).all()  # 3.1 split them
+
+    order = np.argsort([len(t) for t in texts])
+    assert order.tolist() == list(range(len(texts)))  # written shortest first
+    values = np.array([s.value for s in shipped.score_batch(WORD_PROBLEMS)])  # type: ignore[attr-defined]
+    assert (np.diff(values) > 0).all(), values
+
+
+@pytest.mark.shared_data(DIFFICULTY)
+def test_shipped_score_ranks_gsm8k_problems_by_length(shipped: object) -> None:
+    """The acceptance mechanism on real prompts: inside difficulty_7b's GSM8K word problems the
+    shipped score's rank correlation with prompt length is at least 0.95 (3.1: 0.68)."""
+    import gzip
+    import json
+
+    from scipy.stats import spearmanr
+
+    with gzip.open(DIFFICULTY, "rt", encoding="utf-8") as f:
+        prompts = [r["prompt"] for r in map(json.loads, f) if r["source"] == "gsm8k-train"]
+    assert len(prompts) >= 500
+    values = [s.value for s in shipped.score_batch(prompts)]  # type: ignore[attr-defined]
+    rho = spearmanr(values, [len(p) for p in prompts])[0]
+    assert rho >= 0.95, rho
