@@ -104,7 +104,13 @@ class TierSet:
         return costs
 
     def batches(self, now: float | None = None) -> dict[str, TierBatch]:
-        """Per local tier, its ``TierBatch``: sequences it holds (running, waiting, just
+        """Per local tier, its ``TierBatch`` (``observe``'s first half)."""
+        return self.observe(now)[0]
+
+    def observe(self, now: float | None = None) -> tuple[dict[str, TierBatch], float]:
+        """The local tiers' batches and the device's rows as ``device_rows`` reads them, in one look.
+
+        Per local tier, its ``TierBatch``: sequences it holds (running, waiting, just
         submitted, and decided but not yet submitted: ``decided``) against ``max_num_seqs`` -
         what load-aware routing joins while there is room - and, for an idle tier, how likely it
         runs anyway: the chance that at least one of the other requests on the device would go
@@ -126,7 +132,7 @@ class TierSet:
         for name, (n, slots) in held.items():
             share = self._share.get(name, 1.0 / len(held))
             out[name] = TierBatch(n, slots, 1.0 if n else round(1.0 - (1.0 - share) ** (rows - n), 3))
-        return out
+        return out, rows
 
     def device_rows(self, batches: Mapping[str, TierBatch], now: float | None = None) -> float:
         """The device's load as load-aware routing's guard (``min_device_rows``) reads it: the

@@ -25,7 +25,7 @@ from router.errors import AuthError, BadRequestError, ModelNotFoundError, Payloa
 from router.http.auth import Caller
 from router.http.dashboard import DASHBOARD_HTML, dashboard_data
 from router.openai import api_types
-from router.openai.request import CallContext
+from router.openai.request import CallContext, parse_chat, parse_completion
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest, RouteBody
 from router.openai.structured import content_text
 from router.pipeline.calls import Completion
@@ -139,7 +139,9 @@ def _generation(path: str, summary: str, answer: type, description: str) -> Call
     "Completion, or an SSE stream of chunks when stream=true",
 )
 async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[Any]:
-    return await _respond(request, _service(request).chat(data, _context(request)))
+    service, ctx = _service(request), _context(request)
+    gen = parse_chat(data, service.policy.service.limits, ctx)  # the body, parsed once
+    return await _respond(request, service.generate(gen, ctx))
 
 
 @_generation(
@@ -149,7 +151,9 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     "Completion, or an SSE stream when stream=true",
 )
 async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[Any]:
-    return await _respond(request, _service(request).complete(data, _context(request)))
+    service, ctx = _service(request), _context(request)
+    gen = parse_completion(data, service.policy.service.limits, ctx)
+    return await _respond(request, service.generate(gen, ctx))
 
 
 @get("/v1/models", summary="List models: 'auto' plus every tier and alias")

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
-from router.openai.request import CallContext, Generation, completion_id, parse_chat, parse_completion
-from router.openai.schemas import ChatCompletionRequest, CompletionRequest
+from router.openai.request import CallContext, Generation, completion_id
+from router.openai.schemas import CompletionRequest
 from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, now, replay
 from router.pipeline.admission import FairShare, TierPressure, assess, rejection
 from router.pipeline.calls import CachedAnswer, Completion
@@ -192,8 +192,8 @@ class RouterService:
                 else {}
             )
             # Observed in every mode: the device's recent peak is load-aware's memory of sustained load.
-            batches = self.tiers.batches() if self.tiers is not None else {}
-            device_rows = self.tiers.device_rows(batches) if batches and self.tiers is not None else None
+            batches, rows = self.tiers.observe() if self.tiers is not None else ({}, 0.0)
+            device_rows = rows if batches else None
             decision = decide(
                 policy,
                 route_request,
@@ -310,12 +310,6 @@ class RouterService:
         }
 
     # -- generation ----------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, ctx: CallContext) -> Completion:
-        return await self._generate(parse_chat(req, self.policy.service.limits, ctx), ctx)
-
-    async def complete(self, req: CompletionRequest, ctx: CallContext) -> Completion:
-        return await self._generate(parse_completion(req, self.policy.service.limits, ctx), ctx)
-
     def _identify(self, ctx: CallContext) -> None:
         """Fill the caller's metric label and rate-limit identity from its (authenticated) tenant."""
         tenant = ctx.tenant
@@ -377,7 +371,9 @@ class RouterService:
                 retry_after=max(1.0, wait),
             )
 
-    async def _generate(self, gen: Generation, ctx: CallContext) -> Completion:
+    async def generate(self, gen: Generation, ctx: CallContext) -> Completion:
+        """Answer one parsed request (``router.openai.request.parse_chat`` / ``parse_completion``,
+        called by the route handler): limits, routing, admission, the backend, the writer."""
         tiers = self._require_tiers()
         self.check_caller(ctx)
         req = gen.request
