@@ -21,6 +21,7 @@ project's ``f32_linear`` at every row count (invariant by construction, slower o
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Literal
 
@@ -87,6 +88,12 @@ def fp32_gemm_backend() -> Fp32Backend:
     return "mkl" if cpu_is_intel() or not onednn_fp32_supported() else "onednn"  # never "kernel"
 
 
+@functools.cache
+def _announce(out_features: int, in_features: int, backend: str) -> None:
+    """Once per shape and choice, not once per layer (a 30-layer model has 30 of each shape)."""
+    log.info("fp32 %d x %d linears: %s, the batch-invariant choice here", out_features, in_features, backend)
+
+
 class PackedFp32Linear(nn.Module):
     """fp32 CPU linear over a weight packed once for the GEMM library this CPU runs faster
     (``fp32_gemm_backend``), at the row counts where that measured faster than the plain
@@ -137,9 +144,7 @@ class PackedFp32Linear(nn.Module):
             if _supported(other):
                 self._pack(other)
                 if is_batch_invariant(self):
-                    log.info(
-                        "fp32 %d x %d linear: %s, the batch-invariant choice here", *self._shape(), other
-                    )
+                    _announce(*self._shape(), other)
                     return
         self._pack(preferred)
         log.warning(
