@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from router.errors import BadRequestError
 from router.openai.schemas import (
@@ -221,6 +223,26 @@ class Generation:
             ctx=ctx,
             output=output,
             raw_messages=raw_messages,
+        )
+
+    def shadow_copy(self, tier: str, max_tokens: int) -> Generation:
+        """This request as a shadow answer asks it of ``tier``: one choice, not streamed, at most
+        ``max_tokens`` (or the request's own limit, when lower) - the same prompt, sampling and
+        output contract, so the two answers compare like for like."""
+        limit = min(max_tokens, self.sampling.max_tokens or max_tokens)
+        changes: dict[str, Any] = {"stream": False, "stream_options": None, "n": 1, "max_tokens": limit}
+        if isinstance(self.request, CompletionRequest):
+            changes["best_of"] = None
+        else:
+            changes["max_completion_tokens"] = None
+        return replace(
+            self,
+            request=msgspec.structs.replace(self.request, model=tier, **changes),
+            stream=False,
+            include_usage=False,
+            # One choice generated, as asked of the request: the spec decides how many sequences
+            # are submitted, and the shadow reads only the first (the rest would run unaborted).
+            output=replace(self.output, n=1, best_of=1) if self.output is not None else None,
         )
 
 

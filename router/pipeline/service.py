@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, RateLimitError, UnavailableError
 from router.openai.request import CallContext, Generation, completion_id
-from router.openai.schemas import CompletionRequest
 from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, now, replay
 from router.pipeline.admission import FairShare, TierPressure, assess, rejection
 from router.pipeline.calls import CachedAnswer, Completion
@@ -519,10 +518,6 @@ class RouterService:
         rid: str,
         answer: str,
     ) -> None:
-        import dataclasses
-
-        import msgspec
-
         backend = self.tiers.tiers.get(tier) if self.tiers is not None else None
         if backend is None:
             return
@@ -530,27 +525,7 @@ class RouterService:
         record = (
             cfg.record_content if cfg.record_content is not None else policy.service.telemetry.record_content
         )
-        req = gen.request
-        limit = cfg.max_tokens
-        changes: dict[str, Any] = {
-            "stream": False,
-            "stream_options": None,
-            "n": 1,
-            "max_tokens": min(limit, gen.sampling.max_tokens or limit),
-        }
-        if isinstance(req, CompletionRequest):
-            changes["best_of"] = None
-        else:
-            changes["max_completion_tokens"] = None
-        shadow_gen = dataclasses.replace(
-            gen,
-            request=msgspec.structs.replace(req, model=tier, **changes),
-            stream=False,
-            include_usage=False,
-            # One choice generated, as asked of the request: the spec decides how many sequences
-            # are submitted, and the shadow reads only the first (the rest would run unaborted).
-            output=dataclasses.replace(gen.output, n=1, best_of=1) if gen.output is not None else None,
-        )
+        shadow_gen = gen.shadow_copy(tier, cfg.max_tokens)
         load = backend.shadow_load()
 
         def stream() -> AsyncIterator[StepOutput]:

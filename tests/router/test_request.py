@@ -115,6 +115,40 @@ def test_a_completion_is_parsed_with_its_one_prompt_and_id() -> None:
     assert again.response_id == gen.response_id
 
 
+def test_a_shadow_copy_asks_one_bounded_unstreamed_choice_of_its_tier() -> None:
+    """Catches a shadow copy that streams, asks n or best_of choices (the extra sequences run
+    unaborted), keeps a larger token limit than the shadow's (or raises a smaller one the caller
+    asked), keeps max_completion_tokens (which overrides max_tokens on the wire), loses its
+    response id, or leaves the sampling fields read from the old body."""
+    chat = parse_chat(
+        _chat(n=2, stream=True, stream_options={"include_usage": True}, max_completion_tokens=500, seed=7),
+        LimitsConfig(),
+    )
+    copy = chat.shadow_copy("large", 64)
+    assert (copy.request.model, copy.stream, copy.include_usage, copy.request.stream) == (
+        "large",
+        False,
+        False,
+        False,
+    )
+    assert copy.request.stream_options is None and copy.request.n == 1
+    assert (copy.request.max_tokens, copy.request.max_completion_tokens, copy.sampling.max_tokens) == (
+        64,
+        None,
+        64,
+    )
+    assert copy.output is not None and copy.output.n == 1
+    assert copy.sampling.seed == 7 and copy.response_id == chat.response_id and copy.messages == chat.messages
+    assert chat.request.n == 2 and chat.stream  # the served request is untouched
+    small = parse_chat(_chat(max_tokens=10), LimitsConfig()).shadow_copy("large", 64)
+    assert small.request.max_tokens == 10  # the caller's own lower limit stands
+
+    completion = parse_completion(CompletionRequest(model="auto", prompt="x", n=2, best_of=3), LimitsConfig())
+    copy = completion.shadow_copy("medium", 32)
+    assert (copy.request.best_of, copy.request.n, copy.request.max_tokens) == (None, 1, 16)
+    assert copy.output is not None and (copy.output.n, copy.output.best_of) == (1, 1)
+
+
 @pytest.mark.parametrize(
     ("tenant", "principal", "partition"),
     [("acme", "fp1", "t:acme"), (None, "fp1", "k:fp1"), (None, None, "-"), ("acme", None, "t:acme")],
