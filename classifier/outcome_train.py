@@ -145,7 +145,7 @@ class OutcomeConfig:
     length, so an exam question's score is monotone in its length. The shipped score keeps the
     flag there, where it fires on the parentheses, dollar signs and slashes of prose questions: a
     between-category prior on pooled MMLU (held-out APGR 0.703; gated 0.657 = length) that puts
-    ``mmlu_other`` below prompt length inside the category (0.582 vs 0.609; gated 0.609).
+    ``mmlu_other`` below prompt length inside the category (0.579 vs 0.609; gated 0.609).
     benchmarks/routing_quality measures both per family, leave-one-family-out."""
     length_unit: str = "chars"
     """FamilyCounts' length column: characters of the model text (the ``prompt length`` baseline's

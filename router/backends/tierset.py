@@ -41,7 +41,7 @@ DECIDED_TTL_S = 2.0
 """How long a load-aware decision counts toward its tier's batch before its request reaches the
 engine: preparing a request (tokenization, cache lookup, grammar) takes milliseconds to a second."""
 LOAD_MEMORY_S = 20.0
-"""Time constant over which the device's recent peak of held sequences fades (``TierSet.device_rows``):
+"""Time constant over which the device's recent peak of held sequences fades (``TierSet.observe``):
 under sustained load the batches are refilled within a second, so a wave of arrivals right after
 the previous one drained still counts as load (a 16-row peak stays above 8 rows for ~14 s)."""
 
@@ -61,7 +61,7 @@ class TierSet:
     _share: dict[str, float] = field(default_factory=dict)
     """Per local tier, a moving average of the share of routing decisions that went there."""
     _peak: tuple[float, float] = (0.0, 0.0)
-    """The device's recent peak of held sequences and when it was seen (``device_rows``)."""
+    """The device's recent peak of held sequences and when it was seen (``observe``)."""
     token_bytes: int | None = None
     """The most UTF-8 bytes one token of the counting tokenizer stands for (``max_token_bytes``):
     a text of N bytes has at least N / token_bytes tokens, which refuses a prompt too long for
@@ -108,14 +108,22 @@ class TierSet:
         return self.observe(now)[0]
 
     def observe(self, now: float | None = None) -> tuple[dict[str, TierBatch], float]:
-        """The local tiers' batches and the device's rows as ``device_rows`` reads them, in one look.
+        """The local tiers' batches and the device's rows, in one look.
+
+        The device's rows are its load as load-aware routing's guard (``min_device_rows``) reads
+        it: the sequences the batches hold, or the recent peak fading with time constant
+        ``LOAD_MEMORY_S`` when that is higher. A closed loop of N clients refills the batches as
+        fast as they drain, and its requests arrive in waves: each wave's first decisions see an
+        almost empty device, and routing them by the rules split the device between tiers for
+        their whole answers (measured at 16 clients: 4 of 36 requests on small for 64 tokens
+        each cost 8 % of the wall time against always-large).
 
         Per local tier, its ``TierBatch``: sequences it holds (running, waiting, just
         submitted, and decided but not yet submitted: ``decided``) against ``max_num_seqs`` -
         what load-aware routing joins while there is room - and, for an idle tier, how likely it
         runs anyway: the chance that at least one of the other requests on the device would go
         there, at its recent share of decisions. The others are those held now or, when higher,
-        the device's recent peak (``device_rows``): the first request of a closed loop's next
+        the device's recent peak (the rows above): the first request of a closed loop's next
         wave finds the device empty, and routed to an idle small tier it kept small's step in
         every turn of the wave (measured: one such request cost 5-8 % at 16 clients). One
         client alone holds nothing else, so once a busy spell has faded an idle tier stays idle
@@ -133,16 +141,6 @@ class TierSet:
             share = self._share.get(name, 1.0 / len(held))
             out[name] = TierBatch(n, slots, 1.0 if n else round(1.0 - (1.0 - share) ** (rows - n), 3))
         return out, rows
-
-    def device_rows(self, batches: Mapping[str, TierBatch], now: float | None = None) -> float:
-        """The device's load as load-aware routing's guard (``min_device_rows``) reads it: the
-        sequences ``batches`` hold, or the recent peak fading with time constant
-        ``LOAD_MEMORY_S`` when that is higher. A closed loop of N clients refills the batches as
-        fast as they drain, and its requests arrive in waves: each wave's first decisions see an
-        almost empty device, and routing them by the rules split the device between tiers for
-        their whole answers (measured at 16 clients: 4 of 36 requests on small for 64 tokens
-        each cost 8 % of the wall time against always-large)."""
-        return self._observe_rows(sum(b.held for b in batches.values()), now)
 
     def _observe_rows(self, rows: int, now: float | None) -> float:
         """``max(rows, faded peak)``; ``rows`` at or above it becomes the new peak."""

@@ -242,7 +242,7 @@ def decide(
     tiers without one are not candidates); ``batches`` maps tier -> ``TierBatch`` (sequences it
     holds, batch slots, how likely it runs anyway), for ``load_aware``'s preference for a running
     batch with room; ``device_rows`` the device's load for the ``min_device_rows`` guard (the
-    caller's recent peak, ``TierSet.device_rows``; ``None``: the sequences ``batches`` hold)."""
+    caller's recent peak, ``TierSet.observe``; ``None``: the sequences ``batches`` hold)."""
     full = tier_load or {}
     escalated = False
     session_changed: str | None = None

@@ -252,18 +252,18 @@ def test_the_device_load_is_the_rows_held_now_or_the_recent_peak_fading() -> Non
     # Reference: max(held now, peak * exp(-age / LOAD_MEMORY_S)), written out here.
     small, medium, large = FakeEngine(SMALL), FakeEngine(MEDIUM), FakeEngine(LARGE)
     ts = tierset(small, medium, large)
-    assert ts.device_rows(ts.batches(now=0.0), now=0.0) == 0.0
+    assert ts.observe(now=0.0)[1] == 0.0
     small.scheduler.num_running, large.scheduler.num_running = 4, 11
-    assert ts.device_rows(ts.batches(now=1.0), now=1.0) == 15.0
+    assert ts.observe(now=1.0)[1] == 15.0
     small.scheduler.num_running, large.scheduler.num_running = 0, 2  # the wave drained
     for age in (0.5, 10.0, 30.0):
         expected = max(2.0, 15.0 * math.exp(-age / LOAD_MEMORY_S))
-        assert ts.device_rows(ts.batches(now=1.0 + age), now=1.0 + age) == pytest.approx(expected)
+        assert ts.observe(now=1.0 + age)[1] == pytest.approx(expected)
     # A new peak replaces the faded one at once.
     large.scheduler.num_running = 9
-    assert ts.device_rows(ts.batches(now=40.0), now=40.0) == 9.0
+    assert ts.observe(now=40.0)[1] == 9.0
     large.scheduler.num_running = 0
-    assert ts.device_rows(ts.batches(now=41.0), now=41.0) == pytest.approx(9.0 * math.exp(-1 / LOAD_MEMORY_S))
+    assert ts.observe(now=41.0)[1] == pytest.approx(9.0 * math.exp(-1 / LOAD_MEMORY_S))
 
 
 def test_after_a_busy_spell_the_next_waves_first_request_joins_the_likely_tier() -> None:
@@ -281,7 +281,7 @@ def test_after_a_busy_spell_the_next_waves_first_request_joins_the_likely_tier()
     ts.batches(now=20.0)  # the wave: 12 rows
     small.scheduler.num_running = large.scheduler.num_running = 0
     for age, joins in ((2.0, True), (200.0, False)):
-        got = ts.batches(now=20.0 + age)
+        got, device_rows = ts.observe(now=20.0 + age)
         rows = max(0.0, 12 * math.exp(-age / LOAD_MEMORY_S))
         assert got["large"].busy == pytest.approx(1 - (1 - share["large"]) ** rows, abs=1e-3)
         d = decide(
@@ -291,6 +291,6 @@ def test_after_a_busy_spell_the_next_waves_first_request_joins_the_likely_tier()
             {},
             {"small": 1.0, "medium": 1.5, "large": 2.0},
             got,
-            ts.device_rows(got, now=20.0 + age),
+            device_rows,
         )
         assert d.tier == ("large" if joins else "small"), (age, d.reason)
