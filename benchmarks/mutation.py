@@ -55,6 +55,13 @@ MODULES: dict[str, list[str]] = {
         "accept_batch or controller or ngram_proposer or k_not_in_use"
         " or speculative_rule or sampling_speculative",
     ],
+    "tiers/ngram.py": [
+        "tests/tiers/test_speculative.py",
+        "tests/tiers/test_speculative_rule.py",
+        "tests/tiers/test_speculative_controller.py",
+        "-k",
+        "ngram or speculative_rule",
+    ],
     "tiers/sampling.py": ["tests/tiers/test_sampling.py", "tests/tiers/test_sampling_speculative.py"],
     "router/pipeline/cache.py": [
         "tests/router/test_cache.py",
@@ -467,6 +474,7 @@ EQUIVALENT_SCHEDULER: list[tuple[str, str, str]] = [
     ),
 ]
 _SP = "tiers/speculative.py"
+_NG = "tiers/ngram.py"
 _KNOT = "at a knot both neighbouring segments give the knot's own value"
 _DISTINCT = "the points' x are distinct (dict keys, a set of batch sizes): x1 != x0 always"
 _RATE = (
@@ -494,33 +502,33 @@ EQUIVALENT_SPECULATIVE: list[tuple[str, str, str]] = [
     (_SP, "total = residual.sum(dim=+1, keepdim=True)", "residual is [R, V] (2-D): dim +1 is dim -1"),
     (
         _SP,
-        "self.blocks = BlockManager(num_blocks, block_size, enable_caching=None)",
-        "enable_caching is only read for truth: None is False",
-    ),
-    (
-        _SP,
         "def choose_k(self, batch_size: int, draft_lag: int = 2) -> int:",
         "draft_lag is only compared with <= 2 and <= 8: 1 and 2 fall on the same side of both",
     ),
-    (_SP, "if k < 0:", "k = 0 slices an empty proposal; " + _INDEX),
-    (_SP, "idx = None", _INDEX),
-    (_SP, "idx = self._index.get(None)", _INDEX),
-    (_SP, "if idx is None or idx.length >= len(tokens):  # new, or tokens were rolled back", _INDEX),
     (
-        _SP,
+        _NG,
+        "self.blocks = BlockManager(num_blocks, block_size, enable_caching=None)",
+        "enable_caching is only read for truth: None is False",
+    ),
+    (_NG, "if k < 0:", "k = 0 slices an empty proposal; " + _INDEX),
+    (_NG, "idx = None", _INDEX),
+    (_NG, "idx = self._index.get(None)", _INDEX),
+    (_NG, "if idx is None or idx.length >= len(tokens):  # new, or tokens were rolled back", _INDEX),
+    (
+        _NG,
         "idx = self._index[seq_id] = _NgramIndex(1, [{} for _ in range(self.max_n - self.min_n + 1)])",
         "indexing starts at max(0, length - 1): 0 for a length of 0 or 1",
     ),
-    (_SP, "for e in range(end):", _INDEX),
-    (_SP, "for e in range(max(0, idx.length - 2), end):", _INDEX),
-    (_SP, "if e + 2 >= n:", "the extra e = n - 2 slices tokens[-1:n - 1], empty: " + _NGRAM_KEY),
+    (_NG, "for e in range(end):", _INDEX),
+    (_NG, "for e in range(max(0, idx.length - 2), end):", _INDEX),
+    (_NG, "if e + 2 >= n:", "the extra e = n - 2 slices tokens[-1:n - 1], empty: " + _NGRAM_KEY),
     (
-        _SP,
+        _NG,
         "for i in range(len(idx.last) - 1, -2, -1):",
         "i = -1 looks up min_n - 1 tokens in the max_n table: " + _NGRAM_KEY,
     ),
     (
-        _SP,
+        _NG,
         "if len(tokens) <= n:",
         "with exactly n tokens no earlier n-gram has a token after it: nothing is found either way",
     ),

@@ -157,8 +157,8 @@ def make_engine(
     from tiers.engine import Engine
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner
+    from tiers.ngram import NgramProposer
     from tiers.scheduler import SchedulerConfig
-    from tiers.speculative import NgramProposer
 
     assert isinstance(worker, DeviceWorker)
 

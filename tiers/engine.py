@@ -29,12 +29,12 @@ from tiers.isolation import run_isolated
 from tiers.model_runner import ModelRunner
 from tiers.pacing import Backlog, Pace
 from tiers.postprocess import Postprocessor
-from tiers.proposers import Proposal, make_proposer
+from tiers.proposers import DraftSource, Proposal, make_proposer
 from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle, Tracked, push_all
 from tiers.sampling import sample_rows
 from tiers.scheduler import Scheduler
 from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from tiers.speculative import NgramProposer, SpecController, spec_budget
+from tiers.speculative import SpecController, spec_budget
 from tiers.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Engine:
         runner: ModelRunner,
         config: SchedulerConfig,
         *,
-        draft_runner: ModelRunner | NgramProposer | None = None,
+        draft_runner: DraftSource | None = None,
         speculative_tokens: int = 0,
         observer: EngineObserver | None = None,
     ) -> None:

@@ -3,7 +3,7 @@
 ``ModelDraft`` drafts with a lower tier's model: it feeds that model its chunks (catch-up and the
 rows' backlogs, in the draft's own KV pool), then proposes up to k tokens for each speculating row,
 one draft forward per proposed position. ``NgramDraft`` proposes by prompt lookup
-(``speculative.NgramProposer``): no model and no KV. Neither writes a sequence's state: a proposal
+(``ngram.NgramProposer``): no model and no KV. Neither writes a sequence's state: a proposal
 says what the draft wrote into its KV (``Proposal.fed``), and ``Scheduler.update_from_output``
 applies it with the target's outcome.
 
@@ -23,12 +23,16 @@ import torch
 
 from tiers.block_manager import BlockManager
 from tiers.model_runner import ModelRunner, RowInput
+from tiers.ngram import NgramProposer
 from tiers.sampling import Draft, propose_tokens
 from tiers.scheduler import ScheduledBatch
 from tiers.sequence import Sequence
-from tiers.speculative import NgramProposer, SpecController, fastest
+from tiers.speculative import SpecController, fastest
 
-__all__ = ["ModelDraft", "NgramDraft", "Proposal", "Proposer", "make_proposer"]
+__all__ = ["DraftSource", "ModelDraft", "NgramDraft", "Proposal", "Proposer", "make_proposer"]
+
+DraftSource = ModelRunner | NgramProposer
+"""What a tier drafts with: the tier below's runner (its model on its own KV pool) or an n-gram lookup."""
 
 
 @dataclass(slots=True)
@@ -344,7 +348,7 @@ class NgramDraft:
 
 def make_proposer(
     tier: str,
-    draft: ModelRunner | NgramProposer | None,
+    draft: DraftSource | None,
     spec: SpecController,
     *,
     vocab_size: int,

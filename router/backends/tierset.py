@@ -229,9 +229,9 @@ def build_tiers(
     """
     from tiers.loading import load_model
     from tiers.model_runner import ModelRunner, kv_bytes_per_token
+    from tiers.ngram import NgramProposer
     from tiers.plan import device_memory, kv_budget_tokens
     from tiers.scheduler import SchedulerConfig
-    from tiers.speculative import NgramProposer
 
     started = time.monotonic()
     models: dict[tuple[Any, ...], LoadedModel] = {}

@@ -46,7 +46,7 @@ class GenerationDefaults:
 
 
 NGRAM = "ngram"
-"""``draft: ngram``: draft by n-gram lookup (``tiers.speculative.NgramProposer``), not a tier."""
+"""``draft: ngram``: draft by n-gram lookup (``tiers.ngram.NgramProposer``), not a tier."""
 
 
 @dataclass(slots=True)

@@ -68,7 +68,7 @@ routing:
 def test_an_ngram_draft_builds_a_lookup_drafter_with_its_own_bookkeeping(
     worker: DeviceWorker, tiny_model_dir: Path
 ) -> None:
-    from tiers.speculative import NgramProposer
+    from tiers.ngram import NgramProposer
 
     policy = parse_policy(f"""
 version: 1

@@ -38,9 +38,9 @@ from tiers.device import DeviceWorker
 from tiers.engine import Engine
 from tiers.loading import load_model
 from tiers.model_runner import ModelRunner, RowInput
+from tiers.ngram import NgramProposer
 from tiers.scheduler import SchedulerConfig
 from tiers.sequence import SamplingParams
-from tiers.speculative import NgramProposer
 
 # -- the runner: logits, bitwise ----------------------------------------------------------------
 

@@ -13,10 +13,11 @@ from tiers.batch import ScheduledBatch
 from tiers.device import DeviceWorker
 from tiers.engine import Engine
 from tiers.model_runner import RowInput
+from tiers.ngram import NgramProposer
 from tiers.proposers import NgramDraft
 from tiers.sampling import Draft
 from tiers.sequence import SamplingParams, Sequence
-from tiers.speculative import NgramProposer, SpecController
+from tiers.speculative import SpecController
 
 
 async def test_a_step_failing_after_drafting_rolls_the_grammar_back_and_the_retry_answers_the_same(

@@ -13,8 +13,9 @@ from tests.fixtures import make_engine
 from tests.tiers.test_engine import collect, greedy, prompts
 from tiers.device import DeviceWorker
 from tiers.engine import Engine
+from tiers.ngram import NgramProposer
 from tiers.sequence import SamplingParams
-from tiers.speculative import EXPLORE_STEPS, NgramProposer, SpecController, accept_batch
+from tiers.speculative import EXPLORE_STEPS, SpecController, accept_batch
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +394,7 @@ def test_ngram_proposer_matches_a_brute_force_scan() -> None:
     n occur."""
     import random
 
-    from tiers.speculative import NgramProposer
+    from tiers.ngram import NgramProposer
 
     rng = random.Random(3)
     ngram = NgramProposer(16, 4, min_n=1, max_n=3)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tiers.ngram import NgramProposer
 from tiers.sequence import SamplingParams, Sequence
 from tiers.speculative import (
     CATCH_UP,
@@ -21,7 +22,6 @@ from tiers.speculative import (
     LONG_EXPLORE_WAIT,
     SPEC_MARGIN,
     SPEC_RESUME_MARGIN,
-    NgramProposer,
     SpecController,
     fastest,
     spec_budget,

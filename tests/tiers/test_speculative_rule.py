@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from tiers.ngram import NgramProposer
 from tiers.sequence import SamplingParams, Sequence
-from tiers.speculative import NgramProposer, accept_batch, spec_budget
+from tiers.speculative import accept_batch, spec_budget
 
 
 def ref_accept(
