@@ -18,8 +18,7 @@ import msgspec
 from litestar import Request
 
 from router.errors import RouterError
-from router.http.routes import _context, _service
-from router.openai.request import parse_chat
+from router.http.routes import answer_body
 from router.openai.schemas import ChatCompletionRequest
 from router.pipeline.calls import Completion
 
@@ -77,8 +76,7 @@ async def answer_through_chat(
     """``chat`` answered by the pipeline, its answer translated back: ``body_of`` the chat body, or
     the chat stream through ``events_of(the tier that answered)``."""
     try:
-        service, ctx = _service(request), _context(request)
-        result = await service.generate(parse_chat(chat, service.policy.service.limits, ctx), ctx)
+        result = await answer_body(request, chat)
     except RouterError as exc:
         exc.param = renamed(exc.param)
         raise

@@ -70,6 +70,18 @@ def _context(request: Request[Any, Any, Any]) -> CallContext:
     )
 
 
+def answer_body(
+    request: Request[Any, Any, Any], data: ChatCompletionRequest | CompletionRequest
+) -> Coroutine[Any, Any, Completion]:
+    """The body parsed once into the typed request, here (a refusal raises before any work), and
+    the pipeline's answer to it, to be awaited."""
+    service, ctx = _service(request), _context(request)
+    limits = service.policy.service.limits
+    if isinstance(data, ChatCompletionRequest):
+        return service.generate(parse_chat(data, limits, ctx), ctx)
+    return service.generate(parse_completion(data, limits, ctx), ctx)
+
+
 async def _respond(request: Request[Any, Any, Any], answer: Coroutine[Any, Any, Completion]) -> Response[Any]:
     """Run ``answer`` while watching for a client disconnect, which cancels it (freeing the slot).
 
@@ -139,9 +151,7 @@ def _generation(path: str, summary: str, answer: type, description: str) -> Call
     "Completion, or an SSE stream of chunks when stream=true",
 )
 async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[Any]:
-    service, ctx = _service(request), _context(request)
-    gen = parse_chat(data, service.policy.service.limits, ctx)  # the body, parsed once
-    return await _respond(request, service.generate(gen, ctx))
+    return await _respond(request, answer_body(request, data))
 
 
 @_generation(
@@ -151,9 +161,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     "Completion, or an SSE stream when stream=true",
 )
 async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[Any]:
-    service, ctx = _service(request), _context(request)
-    gen = parse_completion(data, service.policy.service.limits, ctx)
-    return await _respond(request, service.generate(gen, ctx))
+    return await _respond(request, answer_body(request, data))
 
 
 @get("/v1/models", summary="List models: 'auto' plus every tier and alias")

@@ -19,6 +19,7 @@ ONNX graph, and keep the shipped artifact's known gap visible as a strict xfail.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -57,7 +58,12 @@ def _exam(question: str) -> str:
     return question + OPTIONS
 
 
-def _family_counts(gated: tuple[str, ...]) -> object:
+def _family_counts(
+    gated: tuple[str, ...],
+    overrides: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (CODE_OVERRIDE,),
+    flag_scope: tuple[str, int] | None = None,
+) -> Any:
+    """FamilyCounts as the outcome score builds it; the defaults are 3.1's features."""
     from classifier.features import FamilyCounts
 
     counts = FamilyCounts(
@@ -66,9 +72,10 @@ def _family_counts(gated: tuple[str, ...]) -> object:
         gated=gated,
         gate_at=3,
         domains=DOMAIN_GROUPS,
-        overrides=(CODE_OVERRIDE,),
+        overrides=overrides,
         flags=OUTCOME_CONFIG.flags,
         length_unit="chars",
+        flag_scope=flag_scope,
     )
     return counts.fit([])
 
@@ -87,12 +94,12 @@ def test_gated_exam_questions_differ_only_in_length_in_sklearn_and_onnx() -> Non
     register_converters()
     texts = [model_text(_exam(q)) for q in SYMBOLIC + PLAIN]
     flag = 1 + len(DOMAIN_GROUPS) + 1  # [length, family one-hot, choices flag, code-symbols flag]
-    old = np.asarray(_family_counts(DOMAIN_GROUPS).transform(texts))  # type: ignore[attr-defined]
+    old = np.asarray(_family_counts(DOMAIN_GROUPS).transform(texts))
     assert old[: len(SYMBOLIC), flag].tolist() == [1.0] * len(SYMBOLIC)  # the 3.1 mechanism
     assert old[len(SYMBOLIC) :, flag].tolist() == [0.0] * len(PLAIN)
 
     gated = _family_counts((*DOMAIN_GROUPS, *FLAG_GROUPS_GATED))
-    rows = np.asarray(gated.transform(texts))  # type: ignore[attr-defined]
+    rows = np.asarray(gated.transform(texts))
     assert (rows[:, 1:] == rows[0, 1:]).all()  # every column but the length is the same
     assert rows[0, 1 + len(DOMAIN_GROUPS)] == 1.0  # the choices flag is what stays on
     np.testing.assert_allclose(rows[:, 0], np.log1p([len(t) for t in texts]), rtol=1e-6)
@@ -185,34 +192,13 @@ def test_word_problems_rank_by_length_in_the_features_and_the_shipped_score(ship
     "each"/"if"/"older" won the argmax for reasoning, and "$", "/" and "[" set the flag), in
     scikit-learn's features and in the shipped graph: the feature rows differ in the length
     column alone, and the shipped score is strictly increasing in characters."""
-    from classifier.features import FamilyCounts
-
-    feats = FamilyCounts(
-        OUTCOME_GROUPS,
-        gate="choices",
-        gated=DOMAIN_GROUPS,
-        gate_at=3,
-        domains=DOMAIN_GROUPS,
-        overrides=OUTCOME_CONFIG.overrides,
-        flags=OUTCOME_CONFIG.flags,
-        length_unit="chars",
-        flag_scope=OUTCOME_CONFIG.flag_scope,
-    ).fit([])
+    feats = _family_counts(DOMAIN_GROUPS, OUTCOME_CONFIG.overrides, OUTCOME_CONFIG.flag_scope)
     texts = [model_text(p) for p in WORD_PROBLEMS]
     rows = np.asarray(feats.transform(texts))
     names = list(feats.get_feature_names_out())
     assert (rows[:, 1:] == rows[0, 1:]).all(), rows[:, 1:]
     assert rows[0, names.index("family_math_words")] == 1.0
-    old = FamilyCounts(
-        OUTCOME_GROUPS,
-        gate="choices",
-        gated=DOMAIN_GROUPS,
-        gate_at=3,
-        domains=DOMAIN_GROUPS,
-        overrides=(CODE_OVERRIDE,),
-        flags=OUTCOME_CONFIG.flags,
-        length_unit="chars",
-    ).fit([])
+    old = _family_counts(DOMAIN_GROUPS)  # 3.1's features
     assert not (np.asarray(old.transform(texts))[:, 1:] == rows[0, 1:]).all()  # 3.1 split them
 
     order = np.argsort([len(t) for t in texts])
