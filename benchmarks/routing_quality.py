@@ -21,10 +21,14 @@ prompt length (characters) and random (mean of 50). Every APGR has a 95 % percen
 **Leave-one-family-out** (the honest figure for a family the score never saw): each family of
 each set is scored by the recipe refitted without any row of that family (MMLU categories,
 difficulty_7b families). **Model selection** reads the worst family over all LOFO tables: for
-each candidate configuration, ``min over families of min(APGR - length, APGR - random)``; the
-shipped configuration must have the largest. Plus the subject-grouped 5-fold CV on MMLU and
-the score's latency on a 200-word prompt. Writes benchmarks/results/routing_quality.json and
-routing_quality.png (LOFO APGR per family with intervals, beside length and random).
+each candidate configuration, ``min over families of min(APGR - length, APGR - random)``. The
+largest leads; a candidate whose paired bootstrap interval of the difference (the same resampled
+rows for every candidate) reaches 0 ties with it, and ties go to the pooled held-out MMLU APGR
+(the larger sample, and the pair of the outcome sets the score is judged on). The shipped
+configuration must be the one selected. Plus the subject-grouped 5-fold CV on MMLU (every
+candidate; APGR per fold, averaged) and the score's latency on a 200-word prompt. Writes
+benchmarks/results/routing_quality.json and routing_quality.png (LOFO APGR per family with
+intervals, beside length and random).
 """
 
 from __future__ import annotations
@@ -61,7 +65,16 @@ from classifier.outcomes import (
     routing_metrics,
 )
 from classifier.selection import LATENCY_PROMPT
-from classifier.validation import LENGTH, RANDOM, family_table, lofo_values, prompt_length, worst_family
+from classifier.validation import (
+    LENGTH,
+    RANDOM,
+    family_table,
+    lofo_values,
+    paired_worst_margins,
+    prompt_length,
+    select_worst_family,
+    worst_family,
+)
 
 FOLDS = 5
 SECOND_PAIR = (DIFFICULTY_PAIR[0], "cognitivecomputations/dolphin-2.6-mistral-7b")
@@ -70,6 +83,10 @@ CANDIDATES: dict[str, OutcomeConfig] = {
     "previous": PREVIOUS_CONFIG,
     "gated": GATED_CONFIG,
 }
+
+
+# The column of each candidate in the in-sample tables.
+ROUTER_OF = {"shipped": "value", "previous": "previous", "gated": "gated"}
 
 
 def _short(model: str) -> str:
@@ -95,8 +112,8 @@ def _fitted(config: OutcomeConfig) -> Any:
 
 def lofo_tables(
     config: OutcomeConfig, sets: dict[str, list[OutcomeRow]], draws: int
-) -> dict[str, dict[str, Any]]:
-    """LOFO table per evaluation set; a family's refit is shared by the sets that hold it."""
+) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+    """LOFO table and LOFO scores per evaluation set; a family's refit is shared by the sets that hold it."""
     fit_without = lofo_fitter(config)
     cache: dict[str, Any] = {}
 
@@ -105,44 +122,57 @@ def lofo_tables(
             cache[family] = fit_without(family)
         return cache[family]
 
+    values = {name: lofo_values(rows, cached) for name, rows in sets.items()}
     # No pooled row: each family is scored by another refit, so their scores share no scale.
-    return {
-        name: family_table(rows, {"value": lofo_values(rows, cached)}, draws, pooled=False)
-        for name, rows in sets.items()
+    tables = {
+        name: family_table(rows, {"value": values[name]}, draws, pooled=False) for name, rows in sets.items()
     }
+    return tables, values
 
 
-def selection(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Worst LOFO family of each candidate over every set; the winner has the largest worst margin."""
-    out: dict[str, Any] = {}
+def selection(
+    sets: dict[str, list[OutcomeRow]],
+    tables: dict[str, dict[str, dict[str, Any]]],
+    values: dict[str, dict[str, np.ndarray]],
+    pooled_mmlu: dict[str, float],
+    draws: int,
+) -> dict[str, Any]:
+    """Worst LOFO family of each candidate over every set; the largest worst margin leads, candidates
+    within its paired bootstrap noise tie with it, and the tie goes to pooled held-out MMLU APGR."""
+    worst = {}
     for name, per_set in tables.items():
-        worst = [dict(worst_family(t, "value"), set=s) for s, t in per_set.items()]
-        out[name] = min(worst, key=lambda w: w["margin"])
-    best = max(out, key=lambda n: out[n]["margin"])
-    return {"worst_family": out, "selected": best}
+        families = [dict(worst_family(t, "value"), set=s) for s, t in per_set.items()]
+        worst[name] = min(families, key=lambda w: w["margin"])
+    margins = paired_worst_margins(sets, values, tables["shipped"], draws)
+    return select_worst_family(worst, margins, pooled_mmlu)
 
 
 def grouped_cv(rows: list[dict[str, Any]], config: OutcomeConfig = OUTCOME_CONFIG) -> dict[str, Any]:
-    """Pooled out-of-fold APGR on MMLU: folds of whole subjects, each scored by a refit without them."""
+    """MMLU, folds of whole subjects: each fold scored by a refit without its subjects. APGR per fold
+    (one refit's scores share a scale; pooling folds would rank by each refit's offset first), and
+    the mean over folds beside length's and random's."""
     from sklearn.model_selection import GroupKFold
 
     proxy = load_outcomes(PROXY_PATH)
     rated = load_outcomes(DIFFICULTY_7B, pair=config.difficulty_pair)
     subjects = np.array([r["subject"] for r in rows])
-    oof = np.zeros(len(rows))
+    folds: dict[str, list[float]] = {"value": [], LENGTH: [], RANDOM: []}
     for train_idx, test_idx in GroupKFold(n_splits=FOLDS).split(rows, groups=subjects):
         train = [rows[i] for i in train_idx] + proxy + rated
         weights = [1.0] * len(train_idx) + [config.proxy_weight] * len(proxy)
         weights += [config.difficulty_weight] * len(rated)
         pipeline = fit_outcomes(train, config, weights)
-        oof[test_idx] = outcome_proba(pipeline, [rows[i]["prompt"] for i in test_idx])
-    weak, strong = [r["weak"] for r in rows], [r["strong"] for r in rows]
+        test = [rows[i] for i in test_idx]
+        weak, strong = [r["weak"] for r in test], [r["strong"] for r in test]
+        scores = outcome_proba(pipeline, [r["prompt"] for r in test])
+        folds["value"].append(routing_metrics(scores, weak, strong)["apgr"])
+        folds[LENGTH].append(routing_metrics(prompt_length(test), weak, strong)["apgr"])
+        folds[RANDOM].append(random_apgr(weak, strong))
     return {
         "n": len(rows),
         "folds": FOLDS,
-        "value": round(routing_metrics(oof, weak, strong)["apgr"], 4),
-        LENGTH: round(routing_metrics([len(r["prompt"]) for r in rows], weak, strong)["apgr"], 4),
-        RANDOM: round(random_apgr(weak, strong), 4),
+        **{name: round(float(np.mean(v)), 4) for name, v in folds.items()},
+        "per_fold": {name: [round(x, 4) for x in v] for name, v in folds.items()},
     }
 
 
@@ -247,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         shipped[name] = family_table(rows, routers, args.draws)
         correlation[name] = length_correlation(rows, routers)
-    lofo = {name: lofo_tables(config, sets, args.draws) for name, config in CANDIDATES.items()}
+    runs = {name: lofo_tables(config, sets, args.draws) for name, config in CANDIDATES.items()}
+    lofo = {name: tables for name, (tables, _) in runs.items()}
+    held = shipped["mmlu held-out subjects"]["all"]
+    pooled_mmlu = {name: held[ROUTER_OF[name]]["apgr"] for name in CANDIDATES}
     result: dict[str, Any] = {
         "data": {"mmlu": MMLU_OUTCOMES.name, "difficulty": DIFFICULTY_7B.name},
         "pairs": {"trained on": list(DIFFICULTY_PAIR), "second": list(SECOND_PAIR)},
@@ -255,14 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lofo": lofo["shipped"],
         "lofo_previous": lofo["previous"],
         "lofo_gated": lofo["gated"],
-        "selection": selection(lofo),
+        "selection": selection(sets, lofo, {n: v for n, (_, v) in runs.items()}, pooled_mmlu, args.draws),
         "length_spearman": correlation,
     }
     if not args.no_latency:
         result["latency_200_words"] = latency(clf)
     if not args.no_cv:
         mmlu = [r for r in load_outcomes(MMLU_OUTCOMES) if r["subject"] not in DROPPED_SUBJECTS]
-        result["grouped_cv"] = grouped_cv(mmlu)
+        result["grouped_cv"] = {name: grouped_cv(mmlu, config) for name, config in CANDIDATES.items()}
     plot(lofo["shipped"], shipped, plot_path("routing_quality"), candidate=lofo["gated"])
     path = write_json("routing_quality", result)
     print("| set | family | n | gap | value (shipped) | value LOFO | gated | gated LOFO | length | random |")

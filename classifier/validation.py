@@ -27,7 +27,9 @@ __all__ = [
     "bootstrap_apgr",
     "family_table",
     "lofo_values",
+    "paired_worst_margins",
     "prompt_length",
+    "select_worst_family",
     "worst_family",
 ]
 
@@ -135,6 +137,85 @@ def worst_family(table: Mapping[str, Any], router: str) -> dict[str, Any]:
         if worst is None or key < worst["margin"]:
             worst = {"family": family, "apgr": apgr, "margin": round(key, 4), **margins}
     return worst or {}
+
+
+def paired_worst_margins(
+    sets: Mapping[str, Sequence[OutcomeRow]],
+    candidates: Mapping[str, Mapping[str, ArrayLike]],
+    tables: Mapping[str, Mapping[str, Any]],
+    draws: int = 200,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Each candidate's worst-family margin (:func:`worst_family`'s ``margin``) under ``draws``
+    paired resamples: one draw resamples every judged family's rows with replacement, the same
+    rows for every candidate and for prompt length, so the difference between two candidates'
+    draws is the noise of that difference, not of each family's (often wide) APGR.
+
+    ``candidates`` maps a name to ``{set: one score per row of sets[set]}``; ``tables`` are
+    :func:`family_table` outputs per set (which families are judged, and their random APGR, which
+    is held fixed: its mean of 50 routers barely moves under resampling).
+    """
+    rng = np.random.default_rng(seed)
+    out = {name: np.full(draws, np.inf) for name in candidates}
+    for set_name, rows in sets.items():
+        family = np.array([r["family"] for r in rows])
+        weak = np.array([r["weak"] for r in rows], dtype=np.float64)
+        strong = np.array([r["strong"] for r in rows], dtype=np.float64)
+        length = prompt_length(rows)
+        scores = {name: np.asarray(v[set_name], dtype=np.float64) for name, v in candidates.items()}
+        for fam, entry in tables[set_name].items():
+            if fam == "all" or not entry.get("judged"):
+                continue
+            idx = np.flatnonzero(family == fam)
+            chance = entry[RANDOM]["apgr"]
+            for d in range(draws):
+                pick = idx[rng.integers(0, len(idx), len(idx))]
+                if abs(strong[pick].sum() - weak[pick].sum()) < 1e-9:
+                    continue
+                base = routing_metrics(length[pick], weak[pick], strong[pick])["apgr"]
+                for name, values in scores.items():
+                    apgr = routing_metrics(values[pick], weak[pick], strong[pick])["apgr"]
+                    out[name][d] = min(out[name][d], apgr - base, apgr - chance)
+    return out
+
+
+def select_worst_family(
+    worst: Mapping[str, Mapping[str, Any]],
+    draws: Mapping[str, np.ndarray],
+    tie_break: Mapping[str, float],
+    level: float = 0.95,
+) -> dict[str, Any]:
+    """Model selection on the worst family, with its noise: the leader has the largest point
+    ``margin`` (``worst[name]``, from :func:`worst_family`); a candidate whose paired interval of
+    ``leader margin - its margin`` (from :func:`paired_worst_margins`) reaches 0 is tied with it.
+    The tied candidate with the largest ``tie_break`` value wins (the first listed on equal values).
+
+    A worst family is often a small one with a small gap, whose APGR interval is half a unit wide;
+    ranking candidates by its point estimate alone picks noise.
+    """
+    leader = max(worst, key=lambda n: worst[n]["margin"])
+    tail = (1.0 - level) / 2.0 * 100.0
+    difference: dict[str, list[float]] = {}
+    tied = []
+    for name in worst:
+        if name == leader:
+            tied.append(name)
+            continue
+        diff = draws[leader] - draws[name]
+        diff = diff[np.isfinite(diff)]
+        lo, hi = np.percentile(diff, [tail, 100.0 - tail])
+        difference[name] = [round(float(lo), 4), round(float(hi), 4)]
+        if lo <= 0.0:
+            tied.append(name)
+    best = max(tied, key=lambda n: tie_break[n])
+    return {
+        "worst_family": dict(worst),
+        "leader": leader,
+        "leader_minus_ci95": difference,
+        "tied_with_leader": tied,
+        "tie_break": dict(tie_break),
+        "selected": best,
+    }
 
 
 def lofo_values(

@@ -8,7 +8,16 @@ from typing import Any
 import numpy as np
 
 from classifier.outcomes import routing_metrics
-from classifier.validation import LENGTH, RANDOM, bootstrap_apgr, family_table, lofo_values, worst_family
+from classifier.validation import (
+    LENGTH,
+    RANDOM,
+    bootstrap_apgr,
+    family_table,
+    lofo_values,
+    paired_worst_margins,
+    select_worst_family,
+    worst_family,
+)
 
 
 def _rows(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
@@ -71,3 +80,44 @@ def test_lofo_scores_each_family_with_a_model_fitted_without_it() -> None:
     fam = [r["family"] for r in rows]
     assert {values[i] for i, f in enumerate(fam) if f == "a"} == {1.0}
     assert {values[i] for i, f in enumerate(fam) if f == "b"} == {2.0}
+
+
+def _selection(candidates: dict[str, np.ndarray], tie_break: dict[str, float]) -> dict[str, Any]:
+    rows = _rows(300, seed=2)
+    table = family_table(rows, candidates, draws=0)
+    worst = {name: worst_family(table, name) for name in candidates}
+    draws = paired_worst_margins({"s": rows}, {n: {"s": v} for n, v in candidates.items()}, {"s": table}, 100)
+    return select_worst_family(worst, draws, tie_break)
+
+
+def test_a_clearly_better_worst_family_wins_whatever_the_tie_break() -> None:
+    """The bug this catches: a tie rule that ignores the paired interval (every candidate tied),
+    so the tie-break alone picks a router that ranks a family backwards."""
+    rows = _rows(300, seed=2)
+    gain = np.array([r["strong"] - r["weak"] for r in rows])
+    fam = np.array([r["family"] for r in rows])
+    good = gain + 0.01 * np.arange(len(rows))
+    bad = np.where(fam == "b", -gain, gain)  # backwards inside family b
+    out = _selection({"good": good, "bad": bad}, {"good": 0.0, "bad": 1.0})
+    assert out["leader"] == "good" and out["worst_family"]["bad"]["family"] == "b"
+    assert out["leader_minus_ci95"]["bad"][0] > 0.3  # the paired difference excludes 0 by far
+    assert out["tied_with_leader"] == ["good"] and out["selected"] == "good"
+
+
+def test_candidates_within_paired_noise_tie_and_the_tie_break_decides() -> None:
+    """The bug this catches: selection on the worst family's point estimate, which picks
+    whichever of two near-identical routers drew the luckier noise."""
+    rows = _rows(300, seed=2)
+    length = np.array([len(r["prompt"]) for r in rows], dtype=np.float64)
+    rng = np.random.default_rng(5)
+    twin = length + rng.normal(0.0, 3.0, len(rows))  # length with a few neighbours swapped
+    out = _selection({"length": length, "twin": twin}, {"length": 0.6, "twin": 0.7})
+    lo, hi = out["leader_minus_ci95"]["twin" if out["leader"] == "length" else "length"]
+    assert lo <= 0.0 <= hi + 1e-9
+    assert out["leader"] == "length"  # the point estimate alone would keep length
+    assert sorted(out["tied_with_leader"]) == ["length", "twin"] and out["selected"] == "twin"
+    draws = paired_worst_margins(
+        {"s": rows}, {"length": {"s": length}}, {"s": family_table(rows, {"length": length}, draws=0)}, 20
+    )
+    # Length against itself: the margin to length is 0 in every draw, so only random can be lower.
+    assert np.all(draws["length"] <= 1e-12)
