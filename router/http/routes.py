@@ -25,9 +25,11 @@ from router.errors import AuthError, BadRequestError, ModelNotFoundError, Payloa
 from router.http.auth import Caller
 from router.http.dashboard import DASHBOARD_HTML, dashboard_data
 from router.openai import api_types
-from router.openai.request import CallContext, parse_chat, parse_completion
+from router.openai.batch import merge_bodies, merge_headers, merge_streams
+from router.openai.request import CallContext, Generation, parse_chat, parse_completions
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest, RouteBody
 from router.openai.structured import content_text
+from router.openai.writer import SSEStream
 from router.pipeline.calls import Completion
 from router.pipeline.feedback import feedback
 from router.pipeline.service import RouterService
@@ -79,7 +81,35 @@ def answer_body(
     limits = service.policy.service.limits
     if isinstance(data, ChatCompletionRequest):
         return service.generate(parse_chat(data, limits, ctx), ctx)
-    return service.generate(parse_completion(data, limits, ctx), ctx)
+    gens = parse_completions(data, limits, ctx)
+    if len(gens) == 1:
+        return service.generate(gens[0], ctx)
+    return _answer_prompts(service, gens, ctx, data)
+
+
+async def _answer_prompts(
+    service: RouterService, gens: list[Generation], ctx: CallContext, data: CompletionRequest
+) -> Completion:
+    """A list of prompts: each answered by the pipeline at once, the answers merged into one
+    (router.openai.batch). One prompt's refusal or failure before its first byte is the answer's;
+    the other prompts' work is cancelled and their streams closed."""
+    tasks = [asyncio.create_task(service.generate(gen, ctx)) for gen in gens]
+    try:
+        answers = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(result, Completion) and result.stream is not None:
+                await _aclose_quietly(result.stream)
+        raise
+    headers = merge_headers([a.headers for a in answers])
+    streams = [a.stream for a in answers if a.stream is not None]
+    if not streams:
+        return Completion(headers=headers, body=merge_bodies([a.body or {} for a in answers], data.model))
+    tiers = [a.headers.get("x-router-tier", data.model) for a in answers]
+    merged = merge_streams(streams, data.n or 1, tiers, data.model, gens[0].include_usage)
+    return Completion(headers=headers, stream=SSEStream(merged, on_close=lambda: None))
 
 
 async def _respond(request: Request[Any, Any, Any], answer: Coroutine[Any, Any, Completion]) -> Response[Any]:

@@ -48,6 +48,7 @@ __all__ = [
     "completion_id",
     "parse_chat",
     "parse_completion",
+    "parse_completions",
     "schema_size",
     "stop_list",
     "validate_chat",
@@ -72,21 +73,36 @@ def parse_chat(
     )
 
 
+def parse_completions(
+    req: CompletionRequest, limits: LimitsConfig, ctx: CallContext | None = None
+) -> list[Generation]:
+    """A completions body as one typed request per prompt: a list of prompts (OpenAI's batch form)
+    is answered prompt by prompt, each routed on its own text, and merged (router/openai/batch.py)."""
+    validate_completion(req)
+    check_limits(req, limits)
+    if isinstance(req.prompt, str):
+        prompts, bodies = [req.prompt], [req]
+    elif not req.prompt:
+        raise BadRequestError("'prompt' must be a string or a non-empty list of strings.", param="prompt")
+    else:
+        prompts = req.prompt
+        bodies = [req] if len(prompts) == 1 else [msgspec.structs.replace(req, prompt=p) for p in prompts]
+    return [
+        Generation.parsed(one, prompt=p, last_user=p, output=compile_completion(one), ctx=ctx)
+        for one, p in zip(bodies, prompts, strict=True)
+    ]
+
+
 def parse_completion(
     req: CompletionRequest, limits: LimitsConfig, ctx: CallContext | None = None
 ) -> Generation:
-    """A completions body as the typed request: one prompt per request."""
-    validate_completion(req)
-    check_limits(req, limits)
-    if isinstance(req.prompt, list):
-        if len(req.prompt) != 1:
-            raise BadRequestError(
-                "Only a single prompt per request is supported.", param="prompt", code="unsupported_value"
-            )
-        prompt = req.prompt[0]
-    else:
-        prompt = req.prompt
-    return Generation.parsed(req, prompt=prompt, last_user=prompt, output=compile_completion(req), ctx=ctx)
+    """A completions body of one prompt (a string, or a list of one) as the typed request."""
+    gens = parse_completions(req, limits, ctx)
+    if len(gens) != 1:
+        raise BadRequestError(
+            "This call takes one prompt; a list of prompts is answered by parse_completions.", param="prompt"
+        )
+    return gens[0]
 
 
 @dataclass(slots=True)
@@ -464,6 +480,8 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsC
             "logit_bias", f"has {len(req.logit_bias)} entries", limits.max_logit_bias, "max_logit_bias"
         )
     if not isinstance(req, ChatCompletionRequest):
+        if isinstance(req.prompt, list) and len(req.prompt) > limits.max_prompts:
+            raise _refuse("prompt", f"has {len(req.prompt)} prompts", limits.max_prompts, "max_prompts")
         return
     if req.tools is not None:
         if len(req.tools) > limits.max_tools:

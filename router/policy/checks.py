@@ -218,6 +218,20 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
         ctx.error(("service", "cache", "max_entries"), "must be >= 1")
     if svc.cache.ttl_s <= 0:
         ctx.error(("service", "cache", "ttl_s"), "must be > 0")
+    limits = svc.limits
+    # logit_bias may be refused outright (0); each other bound must let one of its kind through.
+    for fname, minimum in (
+        ("max_logit_bias", 0),
+        ("max_prompts", 1),
+        ("max_tools", 1),
+        ("max_schema_nodes", 1),
+        ("max_schema_depth", 1),
+        ("max_schema_properties", 1),
+    ):
+        if getattr(limits, fname) < minimum:
+            ctx.error(("service", "limits", fname), f"must be >= {minimum}, got {getattr(limits, fname)}")
+    if limits.grammar_timeout_s <= 0:
+        ctx.error(("service", "limits", "grammar_timeout_s"), "must be > 0")
 
 
 def _check_rules(policy: Policy, ctx: Issues) -> None:

@@ -394,6 +394,9 @@ class LimitsConfig:
     """Properties of one object in a schema: the grammar's parser row grows with the optional
     properties it may take next (llguidance's limit was passed at ~550 of them, a failed
     generation)."""
+    max_prompts: int = 32
+    """Prompts in one completions request (a list of prompts): each is a request of its own to
+    route, admit and answer, merged into one response."""
     grammar_timeout_s: float = 5.0
     """Wall-clock budget for compiling one schema's grammar (off the event loop); past it, 400."""
 

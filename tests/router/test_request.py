@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from router.errors import BadRequestError
-from router.openai.request import CallContext, Generation, parse_chat, parse_completion
+from router.openai.request import CallContext, Generation, parse_chat, parse_completion, parse_completions
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest
 from router.policy.schema import LimitsConfig
 
@@ -46,9 +46,23 @@ def test_refusals_keep_their_order_validation_then_bounds_then_tools() -> None:
     assert _refusal(_chat(tools=two_tools, tool_choice="bogus")) == "tools"  # the bound first
     assert _refusal(_chat(tools=[WEATHER], tool_choice="bogus")) == "tool_choice"
     assert _refusal(_chat(messages=[])) == "messages"
-    prompt = CompletionRequest(model="auto", prompt=["a", "b"], temperature=3.0)
-    assert _refusal(prompt) == "temperature"
-    assert _refusal(CompletionRequest(model="auto", prompt=["a", "b"])) == "prompt"
+    prompts = ["a"] * (LIMITS.max_prompts + 1)
+    assert _refusal(CompletionRequest(model="auto", prompt=prompts, temperature=3.0)) == "temperature"
+    assert _refusal(CompletionRequest(model="auto", prompt=prompts)) == "prompt"  # over max_prompts
+    assert _refusal(CompletionRequest(model="auto", prompt=[])) == "prompt"
+
+
+def test_a_list_of_prompts_is_one_typed_request_per_prompt() -> None:
+    """Bug it guards: every prompt parsed into the first prompt's request (all answered alike), or
+    a one-prompt list split into a copy that loses nothing but costs a request."""
+    req = CompletionRequest(model="auto", prompt=["a", "b c"], n=2, max_tokens=4, echo=True)
+    gens = parse_completions(req, LIMITS)
+    assert [g.prompt for g in gens] == ["a", "b c"] and [g.last_user for g in gens] == ["a", "b c"]
+    assert [g.request.prompt for g in gens] == ["a", "b c"]
+    assert all(g.request.n == 2 and g.request.echo and g.sampling.max_tokens == 4 for g in gens)
+    assert len({g.response_id for g in gens}) == 2
+    one = CompletionRequest(model="auto", prompt=["only"])
+    assert parse_completions(one, LIMITS)[0].request is one
 
 
 def test_a_chat_is_parsed_into_plain_fields_once() -> None:

@@ -238,7 +238,7 @@ CASES: list[Case] = [
     ),
     completion("completion-n2", n=2, temperature=1.0, seed=5, max_tokens=4),
     completion("completion-best-of", n=1, best_of=2, temperature=1.0, seed=5, max_tokens=4),
-    completion("error-prompt-list", prompt=["The quick", "Hello there"], max_tokens=3),
+    completion("completion-prompt-list", prompt=["The quick", "Hello there"], n=2, max_tokens=3),
     # Other endpoints a client reads.
     Case("models", "/v1/models", method="GET"),
     Case("model-one", "/v1/models/small", method="GET"),

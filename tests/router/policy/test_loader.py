@@ -168,3 +168,22 @@ def test_ngram_draft_is_valid_and_the_name_is_reserved() -> None:
     assert p.tiers["small"].draft == "ngram"
     found = issues(BASE.replace("  small:", "  ngram:").replace("tier: small}", "tier: ngram}"))
     assert any(path == "tiers.ngram" and "reserved" in msg for path, msg, _ in found), found
+
+
+@pytest.mark.parametrize(
+    ("limits", "path", "fragment"),
+    [
+        ("{max_tools: -1}", "service.limits.max_tools", ">= 1, got -1"),
+        ("{max_prompts: 0}", "service.limits.max_prompts", ">= 1, got 0"),
+        ("{max_logit_bias: -5}", "service.limits.max_logit_bias", ">= 0, got -5"),
+        ("{max_schema_depth: 0}", "service.limits.max_schema_depth", ">= 1"),
+        ("{grammar_timeout_s: 0}", "service.limits.grammar_timeout_s", "> 0"),
+    ],
+)
+def test_a_limit_that_would_refuse_every_request_is_named(limits: str, path: str, fragment: str) -> None:
+    """Bug it guards: a negative or zero bound loaded silently and every request with a tool (or a
+    list of prompts) got a 400 naming a limit the operator never meant to set."""
+    found = issues(BASE + f"service:\n  limits: {limits}\n")
+    assert any(p == path and fragment in m for p, m, _ in found), found
+    lowest = parse_policy(BASE + "service:\n  limits: {max_logit_bias: 0, max_prompts: 1}\n")
+    assert lowest.service.limits.max_prompts == 1
