@@ -8,6 +8,8 @@ from pathlib import Path
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    # A template variable, as Qwen3's enable_thinking: chat_template_kwargs must reach it.
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
 )
 
 CORPUS = [

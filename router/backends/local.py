@@ -67,11 +67,19 @@ class LocalTier:
     def is_full(self) -> bool:
         return self.engine.load().is_full
 
-    def prompt_ids(self, kind: str, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
+    def prompt_ids(
+        self,
+        kind: str,
+        messages: list[dict[str, str]] | None,
+        prompt: str | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         if kind == "chat":
             assert messages is not None
             if getattr(self.tokenizer, "chat_template", None):
-                out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                out = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+                )
                 ids = out["input_ids"] if isinstance(out, Mapping) else out
                 return list(ids)
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
@@ -152,7 +160,9 @@ def native_prompt_ids(tokenizer: Any, gen: Generation) -> list[int] | None:
             for c in m["tool_calls"]:
                 with contextlib.suppress(ValueError):
                     c["function"]["arguments"] = json.loads(c["function"]["arguments"] or "{}")
-    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, **gen.template_kwargs
+    )
     ids = out["input_ids"] if isinstance(out, Mapping) else out
     return list(ids)
 
@@ -238,7 +248,11 @@ def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[
     request (a 1 MB prompt, a large schema): ``local_stream_async`` runs it off the event loop."""
     try:
         native = native_prompt_ids(backend.tokenizer, gen) if gen.kind == "chat" else None
-        ids = native if native is not None else backend.prompt_ids(gen.kind, gen.messages, gen.prompt)
+        ids = (
+            native
+            if native is not None
+            else backend.prompt_ids(gen.kind, gen.messages, gen.prompt, gen.template_kwargs)
+        )
     except TemplateError as exc:  # e.g. a template that demands alternating roles
         raise BadRequestError(
             f"The messages do not fit the chat template of tier '{backend.name}': {exc}",

@@ -207,9 +207,13 @@ class Generation:
     request is parsed, unless given."""
     sampling: Sampling = field(init=False)
     """The request's sampling fields, derived from ``request`` (again when a copy replaces it)."""
+    template_kwargs: dict[str, Any] = field(init=False)
+    """Variables for a local tier's chat template (chat ``chat_template_kwargs``; else none)."""
 
     def __post_init__(self) -> None:
         self.sampling = Sampling.of(self.request)
+        extra = self.request.chat_template_kwargs if isinstance(self.request, ChatCompletionRequest) else None
+        self.template_kwargs = dict(extra or {})
         if not self.response_id:
             self.response_id = completion_id("chatcmpl" if self.kind == "chat" else "cmpl")
 
@@ -343,9 +347,38 @@ def _unsupported(param: str, why: str) -> None:
     )
 
 
+# apply_chat_template's own arguments: a template variable of one of these names would change how
+# the prompt is built (or tokenized), not what the template says.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def validate_chat(req: ChatCompletionRequest) -> None:
     """Chat-only fields: each one this server cannot honour is a 400 that names it."""
     validate_sampling(req)
+    for name in req.chat_template_kwargs or {}:
+        if not name.isidentifier() or name in _TEMPLATE_ARGUMENTS:
+            raise BadRequestError(
+                f"'chat_template_kwargs' may name template variables only, not {name!r}.",
+                param="chat_template_kwargs",
+            )
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequestError(

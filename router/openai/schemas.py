@@ -115,6 +115,7 @@ VLLM_EXTENSIONS = frozenset(
         "include_stop_str_in_output",
         "skip_special_tokens",
         "min_tokens",
+        "chat_template_kwargs",
     }
 )
 """Request fields beyond OpenAI's reference, as vLLM's OpenAI server accepts them."""
@@ -122,6 +123,8 @@ VLLM_EXTENSIONS = frozenset(
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extension: variables for the local tier's chat template (``enable_thinking``)."""
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

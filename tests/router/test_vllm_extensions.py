@@ -5,6 +5,7 @@ guidellm's exact request shape."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -162,3 +163,29 @@ def test_guidellm_request_shape_is_answered(server: Server) -> None:
             body.pop("max_completion_tokens")
         chunks = _sse(httpx.post(server.url + path, json=body, timeout=60))
         assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_chat_template_kwargs_reach_the_tiers_template(server: Server, tiny_model_dir: Any) -> None:
+    """Bug caught: ``chat_template_kwargs`` refused as an unknown field (clients of Qwen3 send
+    ``enable_thinking``), accepted but never passed to the template, or answered from the cache
+    entry of the same messages without it. The tiny model's template writes ``<think>`` when
+    ``enable_thinking`` is true; the prompt's length is checked against the tokenizer's own."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def expected(**kwargs: Any) -> int:
+        ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, **kwargs)
+        return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    assert expected(enable_thinking=True) > expected()  # the fixture's template uses the variable
+    plain = _chat(server, max_tokens=2)
+    thinking = _chat(server, max_tokens=2, chat_template_kwargs={"enable_thinking": True})
+    off = _chat(server, max_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    for r in (plain, thinking, off):
+        assert r.status_code == 200, r.text
+    assert thinking.json()["usage"]["prompt_tokens"] == expected(enable_thinking=True)
+    assert plain.json()["usage"]["prompt_tokens"] == off.json()["usage"]["prompt_tokens"] == expected()
+    for name in ("tokenize", "add_generation_prompt", "not an identifier"):
+        refused = _chat(server, max_tokens=2, chat_template_kwargs={name: False})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
