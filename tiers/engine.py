@@ -31,7 +31,7 @@ from tiers.pacing import Backlog, Pace
 from tiers.postprocess import Postprocessor
 from tiers.proposers import DraftSource, Proposal, make_proposer
 from tiers.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle, Tracked, push_all
-from tiers.sampling import sample_rows
+from tiers.sampling import sample_rows, split_prompt_logprobs
 from tiers.scheduler import Scheduler
 from tiers.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tiers.speculative import SpecController, spec_budget
@@ -237,9 +237,9 @@ class Engine:
         proposal = self.proposer.propose(batch, self._k) if self.proposer else Proposal.empty(batch.num_seqs)
         started = time.perf_counter()
         logits = self.runner.forward(proposal.target_rows(batch))
+        self.post.record_prompt_logprobs(split_prompt_logprobs(batch.seqs, logits, batch.num_new_tokens))
         drafted = {len(d.tokens) if d else 0 for d in proposal.drafts}
-        # An n-gram lookup proposes for some rows only: such a step's cost is not that of every
-        # row feeding 1 + max tokens, which its key would say, so only uniform steps are recorded.
+        # Only uniform steps are timed: an n-gram lookup's ragged step costs less than its key says.
         if batch.kind == "decode" and (len(drafted) == 1 or not (self.proposer and self.proposer.ragged)):
             self.spec.record_target(batch.num_seqs, 1 + max(drafted), time.perf_counter() - started)
         generators = [t.generator if (t := self.post.tracked.get(s.seq_id)) else None for s in batch.seqs]

@@ -34,6 +34,10 @@ class StepOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     """One entry per token in ``token_ids`` when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """On a request's first output, when it asked for them: one entry per prompt token, ``None``
+    for the first (nothing precedes it); ``prompt_token_ids`` beside them."""
+    prompt_token_ids: list[int] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     # Remote tiers only: an OpenAI-compatible upstream has already shaped these, and they are
     # passed through as it sent them (local engines leave them at their defaults).

@@ -69,6 +69,16 @@ class Postprocessor:
         else:
             self.emit(tracked, None)
 
+    def record_prompt_logprobs(self, found: dict[int, list[tuple[int, TokenLogprob]]]) -> None:
+        """Prompt logprobs of this step's prompt chunks (``sampling.split_prompt_logprobs``), kept
+        by position (a chunk recomputed after a preemption overwrites its own)."""
+        for seq_id, entries in found.items():
+            tracked = self.tracked.get(seq_id)
+            if tracked is not None:
+                if tracked.prompt_logprobs is None:
+                    tracked.prompt_logprobs = {}
+                tracked.prompt_logprobs.update(entries)
+
     def emit(self, tracked: Tracked, finish_reason: str | None, error: str | None = None) -> None:
         seq = tracked.seq
         text = tracked.detok.take(final=finish_reason is not None)
@@ -86,6 +96,10 @@ class Postprocessor:
             error=error,
             logprobs=tracked.pending_logprobs if seq.params.logprobs is not None else None,
         )
+        if tracked.prompt_logprobs is not None:  # the request's first output carries them, once
+            gathered, tracked.prompt_logprobs = tracked.prompt_logprobs, None
+            out.prompt_logprobs = [None, *(gathered.get(p) for p in range(1, seq.num_prompt_tokens))]
+            out.prompt_token_ids = list(seq.prompt_token_ids)
         tracked.pending_tokens = []
         tracked.pending_logprobs = []
         if finish_reason is not None:

@@ -54,6 +54,8 @@ class Proposal:
             start = seq.num_computed_tokens
             fed = seq.token_ids[start : start + n]
             last: Literal["all", "last", "none"] = "last" if start + n == seq.num_tokens else "none"
+            if seq.prompt_logprobs_pending:
+                last = "all"  # every prompt position's logits (sampling.split_prompt_logprobs)
             if d is not None and d.tokens:
                 fed, last = fed + d.tokens, "all"
             rows.append(RowInput(seq.block_table.blocks, start, fed, last))

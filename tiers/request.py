@@ -115,6 +115,9 @@ class Tracked:
     generator: torch.Generator | None
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: dict[int, TokenLogprob] | None = None
+    """Prompt position -> logprob, gathered chunk by chunk until the first output carries them
+    (then None again); only for requests that asked for prompt logprobs."""
     predicted_wait: tuple[float, bool] | None = None
     """The uncalibrated wait predicted at submission and whether it was unprotected (the first
     of ``n`` only)."""

@@ -38,6 +38,7 @@ __all__ = [
     "probs_batch",
     "propose_tokens",
     "sample_rows",
+    "split_prompt_logprobs",
     "target_logits",
     "token_logprob",
 ]
@@ -341,6 +342,32 @@ def sample_rows(
             ]
         out[i] = RowOutput(tokens, len(d.tokens) if d is not None else 0, m, lps)
     return out
+
+
+def split_prompt_logprobs(
+    seqs: Seq[Sequence], logits: list[torch.Tensor | None], num_new_tokens: Seq[int]
+) -> dict[int, list[tuple[int, TokenLogprob]]]:
+    """Rows of requests that asked for prompt logprobs carry logits at every position of their
+    prompt chunk (``Proposal.target_rows``): each position's log-softmax gives the logprob of the
+    prompt token after it - the model's own distribution, before any sampling setting, as vLLM
+    reports prompt logprobs. Returns ``{seq_id: [(prompt position, logprob), ...]}`` and leaves
+    in ``logits`` what the sampler expects: the last position once the prompt is all fed, else
+    nothing."""
+    found: dict[int, list[tuple[int, TokenLogprob]]] = {}
+    for i, seq in enumerate(seqs):
+        raw = logits[i]
+        if raw is None or not seq.prompt_logprobs_pending:
+            continue
+        top = seq.params.prompt_logprobs or 0
+        start, n = seq.num_computed_tokens, num_new_tokens[i]
+        rows = torch.log_softmax(raw[:n].float(), dim=-1)
+        found[seq.seq_id] = [
+            (start + j + 1, token_logprob(rows[j], seq.token_ids[start + j + 1], top))
+            for j in range(n)
+            if start + j + 1 < seq.num_prompt_tokens
+        ]
+        logits[i] = raw[n - 1 : n] if start + n == seq.num_tokens else None
+    return found
 
 
 def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -297,7 +297,9 @@ class Scheduler(DraftTables):
             cached = table.num_blocks * bs
         else:
             table = seq.block_table
-            limit = seq.num_tokens - 1  # the last token is computed: its logits give the next one
+            # The last token is computed: its logits give the next one. Prompt logprobs need
+            # every prompt position's logits: nothing of the prompt comes from the cache.
+            limit = 0 if seq.prompt_logprobs_pending else seq.num_tokens - 1
             prefix = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=limit)
             partial = self.blocks.match_partial(seq.token_ids, prefix, seq.cache_salt, max_tokens=limit)
             cached = len(prefix) * bs + (partial[1] if partial is not None else 0)

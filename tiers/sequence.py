@@ -79,6 +79,10 @@ class SamplingParams:
     """OpenAI ``logit_bias``: ``(token_id, bias)`` pairs added to the raw logits, bias in [-100, 100]."""
     logprobs: int | None = None
     """None: no logprobs. 0..20: return each sampled token's logprob plus this many top alternatives."""
+    prompt_logprobs: int | None = None
+    """None: none. 0..20: the model's logprob of each prompt token after the first (given the
+    tokens before it) plus this many top alternatives, with the first output (completions ``echo``
+    with ``logprobs``). The prompt is then computed whole: no prefix-cache hit, no drafting."""
     constraint: TokenConstraint | None = None
     """A grammar matcher (structured outputs, tool calls) that masks each step's logits
     (``tiers/constraint.py``)."""
@@ -118,6 +122,14 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            )
+        )
+        checks.append(
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                 "must be an integer in [0, 20]",
             )
         )
@@ -204,6 +216,12 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True until the whole prompt is in the cache (the first token is sampled at that step)."""
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """The request asked for its prompt's logprobs and has no output yet: its prompt chunks
+        run with logits at every position, from the first token (no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_decoding(self) -> bool:

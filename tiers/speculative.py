@@ -37,11 +37,12 @@ def fastest(run: Callable[[], object], repeats: int = 2) -> float:
 
 def spec_budget(seq: Sequence, k: int, max_model_len: int) -> int:
     """How many tokens ``seq`` may draft this step at the engine's ``k``: none for penalized
-    requests (their logits depend on the tokens before them) and for seeded sampled ones (the
+    requests (their logits depend on the tokens before them), for prompt-logprob ones (their
+    prompt rows carry logits at every position already) and for seeded sampled ones (the
     documented contract: a seed reproduces a request's output, which a load-dependent k would
     not), never past max_tokens or the context."""
     p = seq.params
-    if k == 0 or p.has_penalties or (p.seed is not None and not p.is_greedy):
+    if k == 0 or p.has_penalties or (p.seed is not None and not p.is_greedy) or p.prompt_logprobs is not None:
         return 0
     room = min(seq.num_remaining_tokens - 1, max_model_len - seq.num_tokens - 1)
     return max(0, min(k, room))

@@ -239,6 +239,8 @@ def choice_params(backend: LocalTier, gen: Generation, base: SamplingParams) -> 
                 raise _unenforceable(spec, exc) from exc
         seed = base.seed + i if base.seed is not None and i else base.seed
         params.append(dataclasses.replace(base, constraint=constraint, seed=seed))
+    if spec is not None and spec.echo and spec.logprobs is not None:  # one choice (validate_completion)
+        params[0] = dataclasses.replace(params[0], prompt_logprobs=spec.logprobs)
     return params
 
 

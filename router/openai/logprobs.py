@@ -14,7 +14,7 @@ from typing import Any
 
 from tiers.output import TokenLogprob
 
-__all__ = ["TokenTexts", "chat_logprobs", "completion_logprobs", "token_texts"]
+__all__ = ["TokenTexts", "chat_logprobs", "completion_logprobs", "prompt_completion_logprobs", "token_texts"]
 
 
 @functools.cache
@@ -120,6 +120,22 @@ def completion_logprobs(
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_completion_logprobs(
+    texts: TokenTexts, token_ids: list[int], entries: list[TokenLogprob | None], top: int
+) -> dict[str, Any]:
+    """The echoed prompt's part of a legacy completions ``logprobs`` object: every prompt token's
+    text and offset, ``null`` logprob and alternatives for the first (nothing precedes it)."""
+    filled: list[TokenLogprob | None] = [
+        e if e is not None else TokenLogprob(t, 0.0, []) for t, e in zip(token_ids, entries, strict=True)
+    ]
+    out = completion_logprobs(texts, filled, top)
+    for i, e in enumerate(entries):
+        if e is None:
+            out["token_logprobs"][i] = None
+            out["top_logprobs"][i] = None
+    return out
 
 
 def merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -457,9 +457,9 @@ def validate_completion(req: CompletionRequest) -> None:
             raise BadRequestError("'best_of' greater than 'n' cannot be streamed.", param="best_of")
     if req.suffix:
         _unsupported("suffix", "the models have no fill-in-the-middle mode")
-    if req.echo and req.logprobs is not None:
-        # Echoed prompt tokens need prompt logprobs, which the engine does not compute.
-        _unsupported("echo", "echo together with logprobs (prompt logprobs are not computed)")
+    if req.echo and req.logprobs is not None and max(n, req.best_of or n) > 1:
+        # The prompt's logprobs are computed on one choice's prompt (the others share its KV).
+        _unsupported("echo", "echo with logprobs takes one choice (n and best_of 1)")
 
 
 # -- bounds ----------------------------------------------------------------------------------------

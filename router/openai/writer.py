@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.errors import RouterError, UnavailableError
-from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
+from router.openai.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    merge_completion_logprobs,
+    prompt_completion_logprobs,
+)
 from router.openai.request import completion_id
 from router.openai.structured import OutputSpec
 from router.openai.tools import ToolCallStreamer, parse_tool_calls
@@ -589,6 +595,12 @@ class ChoiceBuilder:
         if out.logprobs:
             self.entries.extend(out.logprobs)
         logprobs = self._logprobs_of(out)
+        if out.prompt_logprobs is not None and self.texts is not None and self.spec.logprobs is not None:
+            # Echo with logprobs: the prompt's tokens come first, with the first output.
+            head = prompt_completion_logprobs(
+                self.texts, out.prompt_token_ids or [], out.prompt_logprobs, self.spec.logprobs
+            )
+            logprobs = head if logprobs is None else merge_completion_logprobs([head, logprobs])
         if logprobs is not None:
             self.wire_logprobs.append(logprobs)
         items: list[dict[str, Any]] = []
