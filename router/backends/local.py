@@ -248,8 +248,14 @@ def prepare_local(backend: LocalTier, gen: Generation) -> tuple[list[int], list[
     """Tokenize (the tier's chat template, or the structured-output spec's native prompt) and
     build each choice's sampling parameters (grammar matchers included). Work that grows with the
     request (a 1 MB prompt, a large schema): ``local_stream_async`` runs it off the event loop."""
+    if gen.prompt_ids is not None and max(gen.prompt_ids) >= len(backend.tokenizer):
+        raise BadRequestError(
+            f"'prompt' names token {max(gen.prompt_ids)}; "
+            f"tier '{backend.name}' has {len(backend.tokenizer)} tokens.",
+            param="prompt",
+        )
     try:
-        native = native_prompt_ids(backend.tokenizer, gen) if gen.kind == "chat" else None
+        native = native_prompt_ids(backend.tokenizer, gen) if gen.kind == "chat" else gen.prompt_ids
         ids = (
             native
             if native is not None

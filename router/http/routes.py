@@ -81,7 +81,7 @@ def answer_body(
     limits = service.policy.service.limits
     if isinstance(data, ChatCompletionRequest):
         return service.generate(parse_chat(data, limits, ctx), ctx)
-    gens = parse_completions(data, limits, ctx)
+    gens = parse_completions(data, limits, ctx, decode=service.decode_prompt)
     if len(gens) == 1:
         return service.generate(gens[0], ctx)
     return _answer_prompts(service, gens, ctx, data)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CallContext",
     "Generation",
+    "Prompt",
     "Sampling",
     "check_limits",
     "completion_id",
+    "completion_prompts",
     "parse_chat",
     "parse_completion",
     "parse_completions",
@@ -73,24 +75,63 @@ def parse_chat(
     )
 
 
+Prompt = str | list[int]
+"""One completions prompt: text, or token ids of the tiers' tokenizer."""
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[Prompt]:
+    """The prompts of a completions body, in OpenAI's four forms: a string, a list of strings, a
+    list of token ids, or a list of such lists (lm-evaluation-harness sends the last)."""
+    if isinstance(prompt, str):
+        return [prompt]
+
+    def token_ids(value: Any) -> bool:
+        return (
+            isinstance(value, list)
+            and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value)
+        )
+
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if token_ids(prompt):
+        return [list(prompt)]
+    if prompt and all(token_ids(p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise BadRequestError(
+        "'prompt' must be a string, a non-empty list of strings, a list of token ids (integers >= 0) "
+        "or a list of such lists.",
+        param="prompt",
+    )
+
+
 def parse_completions(
-    req: CompletionRequest, limits: LimitsConfig, ctx: CallContext | None = None
+    req: CompletionRequest,
+    limits: LimitsConfig,
+    ctx: CallContext | None = None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[Generation]:
     """A completions body as one typed request per prompt: a list of prompts (OpenAI's batch form)
-    is answered prompt by prompt, each routed on its own text, and merged (router/openai/batch.py)."""
+    is answered prompt by prompt, each routed on its own text, and merged (router/openai/batch.py).
+    A token-id prompt is routed (and echoed) as ``decode`` renders it and generated from its ids;
+    without ``decode`` (no local tier's tokenizer) it is a 400."""
     validate_completion(req)
     check_limits(req, limits)
-    if isinstance(req.prompt, str):
-        prompts, bodies = [req.prompt], [req]
-    elif not req.prompt:
-        raise BadRequestError("'prompt' must be a string or a non-empty list of strings.", param="prompt")
-    else:
-        prompts = req.prompt
-        bodies = [req] if len(prompts) == 1 else [msgspec.structs.replace(req, prompt=p) for p in prompts]
-    return [
-        Generation.parsed(one, prompt=p, last_user=p, output=compile_completion(one), ctx=ctx)
-        for one, p in zip(bodies, prompts, strict=True)
-    ]
+    prompts = completion_prompts(req.prompt)
+    if len(prompts) > limits.max_prompts:
+        raise _refuse("prompt", f"has {len(prompts)} prompts", limits.max_prompts, "max_prompts")
+    gens = []
+    for prompt in prompts:
+        one = req if len(prompts) == 1 else msgspec.structs.replace(req, prompt=prompt)
+        if isinstance(prompt, list) and decode is None:
+            _unsupported("prompt", "token-id prompts need a local tier's tokenizer")
+        text = decode(prompt) if isinstance(prompt, list) and decode is not None else str(prompt)
+        gen = Generation.parsed(one, prompt=text, last_user=text, output=compile_completion(one), ctx=ctx)
+        gen.prompt_ids = prompt if isinstance(prompt, list) else None
+        gens.append(gen)
+    return gens
 
 
 def parse_completion(
@@ -207,6 +248,9 @@ class Generation:
     request is parsed, unless given."""
     sampling: Sampling = field(init=False)
     """The request's sampling fields, derived from ``request`` (again when a copy replaces it)."""
+    prompt_ids: list[int] | None = None
+    """A completion's prompt as the client's token ids (``prompt`` is then their decoded text):
+    a local tier generates from exactly these."""
     template_kwargs: dict[str, Any] = field(init=False)
     """Variables for a local tier's chat template (chat ``chat_template_kwargs``; else none)."""
 
@@ -513,9 +557,7 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsC
             "logit_bias", f"has {len(req.logit_bias)} entries", limits.max_logit_bias, "max_logit_bias"
         )
     if not isinstance(req, ChatCompletionRequest):
-        if isinstance(req.prompt, list) and len(req.prompt) > limits.max_prompts:
-            raise _refuse("prompt", f"has {len(req.prompt)} prompts", limits.max_prompts, "max_prompts")
-        return
+        return  # a completion's prompts are counted once known (parse_completions)
     if req.tools is not None:
         if len(req.tools) > limits.max_tools:
             raise _refuse("tools", f"has {len(req.tools)} tools", limits.max_tools, "max_tools")

@@ -153,7 +153,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[str]
+    prompt: str | list[Any]
+    """A string, a list of strings, a list of token ids or a list of such lists
+    (``router.openai.request.completion_prompts`` checks which)."""
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None

@@ -129,6 +129,23 @@ class RouterService:
     def model_names(self) -> list[str]:
         return self.policy.model_names
 
+    def decode_prompt(self, ids: list[int]) -> str:
+        """A token-id prompt as text, for routing and ``echo``: the local tiers' tokenizer (one
+        tokenizer, as drafting between them needs; ``counting_tokenizer``)."""
+        tokenizer = self._require_tiers().counting_tokenizer()
+        if tokenizer is None:
+            raise BadRequestError(
+                "Token-id prompts need a local tier's tokenizer; this server's tiers are all remote.",
+                param="prompt",
+                code="unsupported_value",
+            )
+        if max(ids) >= len(tokenizer):
+            raise BadRequestError(
+                f"'prompt' names token {max(ids)}; the tiers' tokenizer has {len(tokenizer)} tokens.",
+                param="prompt",
+            )
+        return str(tokenizer.decode(ids))
+
     # -- routing -------------------------------------------------------------------------------
     def route(
         self,

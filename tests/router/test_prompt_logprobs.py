@@ -83,3 +83,30 @@ def test_a_streamed_echo_carries_the_prompts_logprobs_once(server: Server) -> No
 def test_echo_with_logprobs_and_several_choices_is_refused_by_name(server: Server) -> None:
     r = _post(server, prompt=CONTEXT, n=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_token_id_prompts_are_generated_from_exactly_those_ids(server: Server, tiny_model_dir: Path) -> None:
+    """lm-evaluation-harness's default (``tokenized_requests``) sends token ids, one list per
+    prompt. Bugs it catches: ids refused, re-tokenized from their decoded text (a different split
+    scores other tokens), or a batch of id lists read as one prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = [tokenizer.encode(CONTEXT + CONTINUATION), tokenizer.encode(CONTEXT + " green")]
+    # The same text split into single characters: other token ids, the same decoded prompt.
+    odd = tokenizer.encode(CONTEXT) + [t for ch in CONTINUATION for t in tokenizer.encode(ch)]
+    assert tokenizer.decode(odd) == tokenizer.decode(ids[0]) and odd != ids[0]
+    by_text = _post(server, prompt=[CONTEXT + CONTINUATION, CONTEXT + " green"]).json()["choices"]
+    by_ids = _post(server, prompt=ids).json()["choices"]
+    assert [c["logprobs"]["token_logprobs"] for c in by_ids] == [
+        c["logprobs"]["token_logprobs"] for c in by_text
+    ]
+    assert [c["text"] for c in by_ids] == [c["text"] for c in by_text]
+    split = _post(server, prompt=odd).json()["choices"][0]["logprobs"]
+    assert len(split["tokens"]) == len(odd) + 1  # scored as sent, not as its text would tokenize
+    assert split["token_logprobs"][1 : len(odd)] != by_ids[0]["logprobs"]["token_logprobs"][1 : len(odd)]
+    single = _post(server, prompt=ids[0], echo=False, logprobs=None, max_tokens=4)
+    assert single.status_code == 200 and single.json()["usage"]["prompt_tokens"] == len(ids[0])
+    for bad in ([[1, 2], "text"], [1, -2], [[]], [10**9]):
+        r = _post(server, prompt=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
