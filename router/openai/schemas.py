@@ -27,7 +27,9 @@ __all__ = [
     "StreamOptions",
 ]
 
-MAX_STOP_SEQUENCES = 4
+MAX_STOP_SEQUENCES = 16
+"""OpenAI takes 4 stop sequences, vLLM any number; lm-evaluation-harness sends a task's whole
+``until`` list (more than 4 for some tasks). Each is matched against every new token's text."""
 MAX_STOP_LENGTH = 256
 MAX_N = 16
 """Most choices one request may ask for (``n``, ``best_of``): each is a sequence in the batch."""

@@ -247,7 +247,7 @@ REFUSED: list[tuple[str, Any]] = [
     ("messages", [{"role": "user", "content": [{"type": "image", "source": {}}]}]),
     ("max_tokens", 0),
     ("temperature", 1.5),
-    ("stop_sequences", ["a", "b", "c", "d", "e"]),
+    ("stop_sequences", [f"s{i}" for i in range(17)]),
     ("metadata", {"user_id": "u", "other": 1}),
 ]
 

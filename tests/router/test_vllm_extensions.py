@@ -189,3 +189,18 @@ def test_chat_template_kwargs_reach_the_tiers_template(server: Server, tiny_mode
     for name in ("tokenize", "add_generation_prompt", "not an identifier"):
         refused = _chat(server, max_tokens=2, chat_template_kwargs={name: False})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_more_than_four_stop_sequences_are_honoured(server: Server) -> None:
+    """Bug caught: OpenAI's cap of 4 applied (vLLM takes any number; lm-evaluation-harness sends a
+    task's whole ``until`` list), or only the first four of a longer list matched."""
+    full = _chat(server, max_tokens=12, ignore_eos=True).json()["choices"][0]["message"]["content"]
+    cut = full[len(full) // 2 :][:3]
+    assert cut and cut in full
+    stops = [f"never{i}" for i in range(5)] + [cut]  # the one that matches is the sixth
+    r = _chat(server, max_tokens=12, ignore_eos=True, stop=stops)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == full[: full.index(cut)]
+    too_many = _chat(server, max_tokens=2, stop=[f"s{i}" for i in range(17)])
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "stop"
