@@ -42,6 +42,8 @@ __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "StepSink"]
 MAX_DRAFT_CATCHUP = 8
 """A sequence speculates this step only if its draft is at most this many tokens behind; a longer
 backlog (after plain steps) is caught up in chunks first."""
+PROMPT_LOGPROBS_CHUNK = 256
+"""Most prompt positions one step feeds for a request that asked for its prompt's logprobs."""
 
 
 class Scheduler(DraftTables):
@@ -179,7 +181,7 @@ class Scheduler(DraftTables):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             contended = bool(self.waiting or batch.seqs)
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, contended)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget, contended)
             want = self._spec_wanted(seq) if n == 1 else 0
             if want and not seq.draft_table.blocks and seq.num_draft_computed_tokens == 0:
                 self._attach_draft_prefix(seq)  # released while speculation was off: find its blocks
@@ -253,12 +255,15 @@ class Scheduler(DraftTables):
         for victim in fairness_victims(self.running, self.waiting, self.config.max_num_seqs):
             self._preempt(victim, batch)
 
-    def _chunk(self, remaining: int, budget: int, contended: bool) -> int:
+    def _chunk(self, seq: Sequence, remaining: int, budget: int, contended: bool) -> int:
         """Tokens a sequence feeds this step. A long prompt may not hold the whole budget while
         others decode or wait to be admitted (vLLM's long_prefill_token_threshold): a chunk takes
         at most half, so a decode's step (its inter-token gap) costs at most half a full-budget
-        forward."""
+        forward. A prompt whose logprobs were asked for gets logits at every position, a
+        ``[chunk, vocab]`` float block: at most PROMPT_LOGPROBS_CHUNK positions a step."""
         n = min(remaining, budget)
+        if seq.prompt_logprobs_pending:
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
         if n > 1 and contended:
             n = min(n, max(1, self.config.max_num_batched_tokens // 2))
         return n
@@ -303,7 +308,7 @@ class Scheduler(DraftTables):
             prefix = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, max_tokens=limit)
             partial = self.blocks.match_partial(seq.token_ids, prefix, seq.cache_salt, max_tokens=limit)
             cached = len(prefix) * bs + (partial[1] if partial is not None else 0)
-        n = self._chunk(seq.num_tokens - cached, budget, contended)
+        n = self._chunk(seq, seq.num_tokens - cached, budget, contended)
         if not self.blocks.allocate(table, cached + n, prefix, partial):
             self.blocks.free(table)  # a fork's shared refs
             return 0

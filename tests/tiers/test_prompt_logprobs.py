@@ -83,3 +83,24 @@ async def test_a_warm_prefix_cache_and_a_draft_do_not_skip_prompt_positions(
     assert got is not None and all(e is not None and e.top == [] for e in got[1:])
     want = _reference(tiny_model_dir, PROMPT)
     assert torch.allclose(torch.tensor([e.logprob for e in got[1:]]), want, atol=1e-4)
+
+
+async def test_a_long_prompt_is_scored_in_bounded_chunks(worker: DeviceWorker, tiny_model_dir: Path) -> None:
+    """Bug it catches: a long prompt's logits at every position taken in one step of the whole
+    budget (a ``[tokens, vocab]`` float block: gigabytes for a large vocabulary on a GPU budget),
+    or the chunks of a capped prompt stitched out of place."""
+    from tiers.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    engine = make_engine(
+        worker, tiny_model_dir, max_num_batched_tokens=1024, max_model_len=1024, name="plp-long"
+    )
+    assert isinstance(engine, Engine)
+    chunks: list[int] = []
+    engine.step_hook = lambda batch: chunks.extend(batch.num_new_tokens)
+    prompt = [(5 * i + 11) % 350 + 5 for i in range(PROMPT_LOGPROBS_CHUNK + 90)]
+    first, _ = await _first(engine, prompt, _params(prompt_logprobs=0, max_tokens=1))
+    assert chunks[:2] == [PROMPT_LOGPROBS_CHUNK, 90]  # the budget alone would feed it in one step
+    got = first.prompt_logprobs
+    assert got is not None
+    want = _reference(tiny_model_dir, prompt)
+    assert torch.allclose(torch.tensor([e.logprob for e in got[1:]]), want, atol=1e-4)
