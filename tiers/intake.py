@@ -70,7 +70,7 @@ class Intake:
             seq = Sequence(list(prompt), p, eos_token_ids=eos_token_ids, cache_salt=cache_salt, caller=caller)
             seq.fork_of = items[0].seq if items else None
             gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output, p.min_tokens)
             wait = None if items else predicted
             items.append(Tracked(seq, RequestHandle(engine, seq, loop), detok, gen, predicted_wait=wait))
         self.add(items)

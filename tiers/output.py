@@ -57,9 +57,13 @@ class IncrementalDetokenizer:
     returns the stop string itself.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.min_tokens = min_tokens
+        """Stop strings are looked for once this many tokens are in (vLLM's ``min_tokens``)."""
         self.include_stop = include_stop
         """Keep the stop string that ended the text (vLLM's ``include_stop_str_in_output``)."""
         self.ids: list[int] = []
@@ -82,7 +86,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        if self.stop:
+        if self.stop and len(self.ids) >= self.min_tokens:
             longest = max(len(s) for s in self.stop)
             window_start = max(0, before - longest + 1)
             hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]

@@ -208,10 +208,15 @@ def target_logits(
     """The positions of ``raw`` that choose tokens (the last one, or the k + 1 verifying a draft),
     with penalties, bias and grammar masks applied (the matcher is past every draft by now)."""
     lg = apply_penalties(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids)
-    if lg is raw and (seq.params.logit_bias or seq.params.constraint is not None):
+    # Rows choosing output tokens before min_tokens: row j chooses output token num_output + j.
+    short = seq.params.min_tokens - seq.num_output_tokens
+    if lg is raw and (seq.params.logit_bias or seq.params.constraint is not None or short > 0):
         lg = raw.clone()  # written below; ``raw`` is a view of the step's shared logits
     if draft is not None and draft.tokens:
         lg = lg[-(len(draft.tokens) + 1) :]
+    if short > 0:
+        ends = sorted({*eos_ids, *seq.eos_token_ids, *seq.params.stop_token_ids})
+        lg[:short, [t for t in ends if t < lg.shape[-1]]] = float("-inf")
     if seq.params.logit_bias:
         apply_logit_bias(lg, seq.params.logit_bias)
     if seq.params.constraint is not None:

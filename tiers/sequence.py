@@ -71,6 +71,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL-style, over prompt and output: positive logits divided by it, negative multiplied."""
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """vLLM's extension: EOS and ``stop_token_ids`` are masked, and stop strings not looked for,
+    until this many tokens are out (load tools fix the output length with it)."""
     include_stop_str_in_output: bool = False
     """vLLM's extension: the stop string that ended the text is kept at its end."""
     min_p: float = 0.0
@@ -118,6 +121,13 @@ class SamplingParams:
             ),
         ]
         checks.append(("min_p", math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"))
+        checks.append(
+            (
+                "min_tokens",
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "must be an integer in [0, max_tokens]",
+            )
+        )
         checks.append(
             (
                 "logprobs",

@@ -171,8 +171,10 @@ def sampling_params(backend: LocalTier, gen: Generation, num_prompt: int) -> Sam
     """The request's sampling fields over the tier's defaults, ``max_tokens`` clamped to its context."""
     s = gen.sampling
     defaults = backend.cfg.defaults
+    max_tokens = backend.clamp_max_tokens(num_prompt, s.max_tokens, s.max_tokens_param)
     return SamplingParams(
-        max_tokens=backend.clamp_max_tokens(num_prompt, s.max_tokens, s.max_tokens_param),
+        max_tokens=max_tokens,
+        min_tokens=min(s.min_tokens, max_tokens),  # the context's room bounds both
         temperature=defaults.temperature if s.temperature is None else s.temperature,
         top_p=defaults.top_p if s.top_p is None else s.top_p,
         top_k=s.top_k,

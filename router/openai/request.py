@@ -194,6 +194,7 @@ class Sampling:
     repetition_penalty: float
     min_p: float
     ignore_eos: bool
+    min_tokens: int
     stop_token_ids: tuple[int, ...]
     include_stop_str_in_output: bool
     logit_bias: Mapping[str, float]
@@ -219,6 +220,7 @@ class Sampling:
             repetition_penalty=req.repetition_penalty or 1.0,
             min_p=req.min_p or 0.0,
             ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logit_bias=dict(req.logit_bias or {}),
@@ -369,8 +371,8 @@ def validate_sampling(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _validate_vllm(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """vLLM's extensions: honoured (``stop_token_ids``, ``include_stop_str_in_output``), or refused
-    where this engine has no such mode (``min_tokens`` > 0, ``skip_special_tokens: false``)."""
+    """vLLM's extensions: honoured (``stop_token_ids``, ``include_stop_str_in_output``,
+    ``min_tokens``), or refused where this engine has no such mode (``skip_special_tokens: false``)."""
     ids = req.stop_token_ids or []
     if len(ids) > MAX_STOP_TOKEN_IDS or any(i < 0 for i in ids):
         raise BadRequestError(
@@ -379,8 +381,14 @@ def _validate_vllm(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.min_tokens is not None:
         if req.min_tokens < 0:
             raise BadRequestError("'min_tokens' must be >= 0.", param="min_tokens")
-        if req.min_tokens > 0:
-            _unsupported("min_tokens", "the sampler has no end-of-sequence mask before a minimum length")
+        asked = req.max_tokens
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            asked = req.max_completion_tokens
+        if asked is not None and req.min_tokens > asked:
+            raise BadRequestError(
+                f"'min_tokens' ({req.min_tokens}) must not exceed the token limit ({asked}).",
+                param="min_tokens",
+            )
     if req.skip_special_tokens is False:
         _unsupported("skip_special_tokens", "special tokens are always left out of the text")
 

@@ -204,3 +204,28 @@ def test_more_than_four_stop_sequences_are_honoured(server: Server) -> None:
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == full[: full.index(cut)]
     too_many = _chat(server, max_tokens=2, stop=[f"s{i}" for i in range(17)])
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "stop"
+
+
+def test_min_tokens_holds_back_every_ending_until_the_minimum(server: Server, tiny_model_dir: Any) -> None:
+    """Bugs caught: ``min_tokens`` refused (genai-perf and other load tools pin the output length
+    with it), or honoured for EOS only - a stop token id or a stop string still ending the answer
+    early. Each ending is forced by a +100 ``logit_bias`` so that without the minimum it ends at once."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    other = tokenizer.encode(" the")[0]
+
+    def usage(**body: Any) -> tuple[int, str]:
+        r = _chat(server, max_tokens=12, **body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
+
+    assert usage(logit_bias={str(eos): 100})[0] <= 1
+    assert usage(logit_bias={str(eos): 100}, min_tokens=5) == (6, "stop")  # five, then the EOS
+    assert usage(logit_bias={str(other): 100}, stop_token_ids=[other]) == (1, "stop")
+    assert usage(logit_bias={str(other): 100}, stop_token_ids=[other], min_tokens=3) == (4, "stop")
+    full = _chat(server, max_tokens=12, ignore_eos=True).json()["choices"][0]["message"]["content"]
+    early = full[:2]
+    assert usage(ignore_eos=True, stop=[early])[0] <= 2
+    assert usage(ignore_eos=True, stop=[early], min_tokens=8)[0] >= 8
