@@ -76,14 +76,7 @@ class LocalTier:
     ) -> list[int]:
         if kind == "chat":
             assert messages is not None
-            if getattr(self.tokenizer, "chat_template", None):
-                out = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
-                )
-                ids = out["input_ids"] if isinstance(out, Mapping) else out
-                return list(ids)
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-            return list(self.tokenizer.encode(text))
+            return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
         assert prompt is not None
         return list(self.tokenizer.encode(prompt)) or [self.tokenizer.eos_token_id or 0]
 
@@ -142,6 +135,23 @@ def native_tool_template(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template and "tool_calls" in template
 
 
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+) -> list[int]:
+    """A conversation's prompt ids under the tokenizer's chat template (``template_kwargs``:
+    ``Generation.template_kwargs``), or a plain ``role: content`` rendering without one."""
+    options = {"add_generation_prompt": True, **(template_kwargs or {})}
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, **options)
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    if options.get("continue_final_message"):
+        text = text.removesuffix("\n")
+    elif options["add_generation_prompt"]:
+        text += "assistant: "
+    return list(tokenizer.encode(text))
+
+
 def native_prompt_ids(tokenizer: Any, gen: Generation) -> list[int] | None:
     """Prompt ids through the model's own chat template when it renders tools itself; None when
     the generic rendering applies (no tools, or a template without tool support)."""
@@ -160,9 +170,8 @@ def native_prompt_ids(tokenizer: Any, gen: Generation) -> list[int] | None:
             for c in m["tool_calls"]:
                 with contextlib.suppress(ValueError):
                     c["function"]["arguments"] = json.loads(c["function"]["arguments"] or "{}")
-    out = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=True, **gen.template_kwargs
-    )
+    options = {"add_generation_prompt": True, **gen.template_kwargs}
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, **options)
     ids = out["input_ids"] if isinstance(out, Mapping) else out
     return list(ids)
 

@@ -32,6 +32,7 @@ from litestar import Request, Response, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
+from router.backends.local import chat_prompt_ids
 from router.errors import BadRequestError, ModelNotFoundError, UnavailableError, anthropic_error_body
 from router.http.chat_bridge import (
     EventTranslator,
@@ -43,6 +44,7 @@ from router.http.chat_bridge import (
 )
 from router.http.routes import _ERRORS, _respond, _service, error_response
 from router.openai import api_types
+from router.openai.request import template_options
 from router.openai.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
 from router.pipeline.calls import Completion
 
@@ -276,11 +278,20 @@ def _renamed(param: str | None) -> str | None:
     return rename_param(param, _PARAMS, lambda _: "output_config.format")
 
 
+def _prefilled(messages: list[dict[str, Any]]) -> bool | None:
+    """Anthropic's prefill: a final assistant message (text, no tool call) is continued, not
+    answered by a new turn."""
+    last = messages[-1] if messages else {}
+    return (last.get("role") == "assistant" and not last.get("tool_calls")) or None
+
+
 def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     choice, parallel = _chat_tool_choice(req.tool_choice)
+    messages = chat_messages(req)
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": chat_messages(req),
+        "messages": messages,
+        "continue_final_message": _prefilled(messages),
         "max_completion_tokens": req.max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -521,9 +532,11 @@ def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> in
     if tokenizer is None:
         raise UnavailableError("Models are still loading.", code="not_ready", retry_after=5.0)
     choice, parallel = _chat_tool_choice(req.tool_choice)
+    messages = chat_messages(req)
     body = {
         "model": req.model,
-        "messages": chat_messages(req),
+        "messages": messages,
+        "continue_final_message": _prefilled(messages),
         "tools": _chat_tools(req.tools),
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
@@ -532,15 +545,10 @@ def count_tokens(request: Request[Any, Any, Any], req: CountTokensRequest) -> in
     if req.model not in _service(request).model_names():
         raise ModelNotFoundError(f"model: {req.model[:100]}", param="model")
     chat = _convert(body)
-    messages = rendered(chat, output_spec(chat))
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except TemplateError as exc:
-            raise BadRequestError(f"messages: {exc}", param="messages", code="invalid_messages") from exc
-        return len(out["input_ids"] if isinstance(out, Mapping) else out)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return len(tokenizer.encode(text))
+    try:
+        return len(chat_prompt_ids(tokenizer, rendered(chat, output_spec(chat)), template_options(chat)))
+    except TemplateError as exc:
+        raise BadRequestError(f"messages: {exc}", param="messages", code="invalid_messages") from exc
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -53,10 +53,23 @@ __all__ = [
     "parse_completions",
     "schema_size",
     "stop_list",
+    "template_options",
     "validate_chat",
     "validate_completion",
     "validate_sampling",
 ]
+
+
+def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What a chat's prompt is rendered with besides its messages: ``chat_template_kwargs`` and
+    how it ends (a new assistant turn, none, or the last assistant message continued)."""
+    cont = bool(req.continue_final_message)
+    generation = req.add_generation_prompt if req.add_generation_prompt is not None else not cont
+    return {
+        **(req.chat_template_kwargs or {}),
+        "add_generation_prompt": generation,
+        "continue_final_message": cont,
+    }
 
 
 def parse_chat(
@@ -254,12 +267,14 @@ class Generation:
     """A completion's prompt as the client's token ids (``prompt`` is then their decoded text):
     a local tier generates from exactly these."""
     template_kwargs: dict[str, Any] = field(init=False)
-    """Variables for a local tier's chat template (chat ``chat_template_kwargs``; else none)."""
+    """What a local tier's ``apply_chat_template`` is given besides the messages: the chat's
+    ``chat_template_kwargs`` variables and how the prompt ends (``add_generation_prompt``,
+    ``continue_final_message``); for a completion, nothing."""
 
     def __post_init__(self) -> None:
         self.sampling = Sampling.of(self.request)
-        extra = self.request.chat_template_kwargs if isinstance(self.request, ChatCompletionRequest) else None
-        self.template_kwargs = dict(extra or {})
+        req = self.request
+        self.template_kwargs = template_options(req) if isinstance(req, ChatCompletionRequest) else {}
         if not self.response_id:
             self.response_id = completion_id("chatcmpl" if self.kind == "chat" else "cmpl")
 
@@ -425,6 +440,17 @@ _TEMPLATE_ARGUMENTS = frozenset(
 def validate_chat(req: ChatCompletionRequest) -> None:
     """Chat-only fields: each one this server cannot honour is a 400 that names it."""
     validate_sampling(req)
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise BadRequestError(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+                param="continue_final_message",
+            )
+        if not req.messages or req.messages[-1].role != "assistant":
+            raise BadRequestError(
+                "'continue_final_message' needs the last message to be the assistant's.",
+                param="continue_final_message",
+            )
     for name in req.chat_template_kwargs or {}:
         if not name.isidentifier() or name in _TEMPLATE_ARGUMENTS:
             raise BadRequestError(

@@ -118,6 +118,8 @@ VLLM_EXTENSIONS = frozenset(
         "skip_special_tokens",
         "min_tokens",
         "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
     }
 )
 """Request fields beyond OpenAI's reference, as vLLM's OpenAI server accepts them."""
@@ -127,6 +129,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's extension: variables for the local tier's chat template (``enable_thinking``)."""
+    add_generation_prompt: bool | None = None
+    """vLLM's extension: open the assistant's turn after the messages (default true)."""
+    continue_final_message: bool | None = None
+    """vLLM's extension: continue the last (assistant) message instead of opening a new turn."""
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

@@ -404,3 +404,17 @@ def test_streamed_tool_use(client: anthropic.Anthropic) -> None:
     assert "content_block_start" in kinds and final.stop_reason == plain.stop_reason == "tool_use"
     got = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
     assert got == [(b.name, b.input) for b in plain.content if b.type == "tool_use"] and len(got) == 1
+
+
+def test_a_final_assistant_message_is_continued_as_anthropic_prefill(
+    server: Server, client: anthropic.Anthropic
+) -> None:
+    """Bug caught: Anthropic's prefill (a last ``assistant`` message the answer continues) answered
+    as a new turn after it. Same prompt and answer as the chat route's ``continue_final_message``."""
+    prefill = [*ASK, {"role": "assistant", "content": "The capital is"}]
+    msg = client.messages.create(model="small", messages=prefill, max_tokens=6, extra_body={"temperature": 0})
+    ref = _chat(server, "small", prefill, max_tokens=6, continue_final_message=True)
+    new_turn = _chat(server, "small", prefill, max_tokens=6)
+    assert ref["usage"]["prompt_tokens"] < new_turn["usage"]["prompt_tokens"]
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == ref["usage"]["prompt_tokens"]
+    assert _text(msg) == ref["choices"][0]["message"]["content"]

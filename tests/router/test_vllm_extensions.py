@@ -229,3 +229,32 @@ def test_min_tokens_holds_back_every_ending_until_the_minimum(server: Server, ti
     early = full[:2]
     assert usage(ignore_eos=True, stop=[early])[0] <= 2
     assert usage(ignore_eos=True, stop=[early], min_tokens=8)[0] >= 8
+
+
+def test_the_prompt_can_continue_the_assistants_message(server: Server, tiny_model_dir: Any) -> None:
+    """Bugs caught: vLLM's ``continue_final_message`` / ``add_generation_prompt`` refused or
+    ignored (a prefilled assistant message answered by a new turn instead of continued). The
+    prompt's length is checked against the tokenizer's own rendering of each option."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prefill = [*PROMPT, {"role": "assistant", "content": "Waves roll"}]
+
+    def expected(messages: list[dict[str, str]], **options: Any) -> int:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **options)
+        return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def prompt_tokens(messages: list[dict[str, str]], **body: Any) -> int:
+        r = _chat(server, messages=messages, max_tokens=2, **body)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    cont = expected(prefill, continue_final_message=True)
+    assert cont < expected(prefill, add_generation_prompt=True)
+    assert prompt_tokens(prefill, continue_final_message=True) == cont
+    assert prompt_tokens(prefill) == expected(prefill, add_generation_prompt=True)
+    assert prompt_tokens(PROMPT, add_generation_prompt=False) == expected(PROMPT, add_generation_prompt=False)
+    both = _chat(server, messages=prefill, continue_final_message=True, add_generation_prompt=True)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    user_last = _chat(server, continue_final_message=True)
+    assert user_last.status_code == 400 and user_last.json()["error"]["param"] == "continue_final_message"
