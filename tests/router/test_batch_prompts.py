@@ -125,3 +125,28 @@ def test_one_refused_prompt_refuses_the_batch_and_leaves_no_work_behind(server: 
     ]
     empty = _post(server, prompt=[])
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
+
+
+def test_a_client_leaving_a_streamed_batch_frees_every_prompts_work(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug it catches: the merged stream closed but a prompt's own stream left open, so its engine
+    request decodes for nobody (to its end, never aborted) and its in-flight slot is held."""
+    aborted: list[int] = []
+    for engine in server.service.tiers.engines():
+
+        def abort(seq: Any, _original: Any = engine.abort) -> None:
+            aborted.append(seq.seq_id)
+            _original(seq)
+
+        monkeypatch.setattr(engine, "abort", abort)
+    body = {"model": "auto", "prompt": [EASY, HARD, EASY + " dog"], "max_tokens": 200, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break  # leave mid-answer: the context manager closes the connection
+    server.wait_idle(timeout=30)
+    assert len(set(aborted)) == 3  # each prompt's engine request was aborted, none ran to its end
