@@ -17,11 +17,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from router.openai.request import completion_id
-from router.openai.writer import DONE, now, sse_event
+from router.openai.writer import DONE, ERROR_PREFIX, now, sse_event
 
 __all__ = ["merge_bodies", "merge_headers", "merge_streams", "sum_usage"]
 
-_ERROR_PREFIX = b'data: {"error"'
 # Headers that are one value per answer, not per prompt.
 _SHARED = ("content-type",)
 
@@ -118,7 +117,7 @@ async def merge_streams(
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if item.startswith(_ERROR_PREFIX):
+            if item.startswith(ERROR_PREFIX):
                 yield item
                 yield DONE
                 return

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DONE",
+    "ERROR_PREFIX",
     "NOTHING_SERVED",
     "RETRY_AFTER_S",
     "ChoiceBuilder",
@@ -803,7 +804,8 @@ async def replay(kind: str, body: dict[str, Any], include_usage: bool) -> AsyncI
     yield DONE
 
 
-_ERROR_PREFIX = b'data: {"error"'
+ERROR_PREFIX = b'data: {"error"'
+"""How an SSE error event starts (one an answer wrote itself, told apart from a chunk)."""
 
 
 class SSEStream:
@@ -855,7 +857,7 @@ class SSEStream:
             raise
         if data == DONE:
             self._done = True
-        elif data.startswith(_ERROR_PREFIX):
+        elif data.startswith(ERROR_PREFIX):
             self._errored = True
         return data
 
