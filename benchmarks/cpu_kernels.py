@@ -1,5 +1,5 @@
 """The project's CPU kernels against torch's ops, per tier, in one process: each tier of the default
-policy built twice on the embedded model - once with ``tiers/csrc``'s kernels where they apply
+policy built twice on the embedded model - once with ``tiers/kernels/csrc``'s kernels where they apply
 (``int4_mm`` from ``TILED_INT4_MIN_ROWS`` rows, ``add_rms_norm``, ``paged_attention``,
 ``rope_kv_write``, ``f32_linear`` up to ``F32_GEMV_MAX_ROWS`` rows), once with torch's ops only -
 and the decode step timed at 1, 4 and 16 sequences over 120 tokens of context,
@@ -30,9 +30,9 @@ CONTEXT = 120
 
 
 def _runner(kernels: bool, kw: dict[str, Any]) -> Any:
-    from tiers import cpu_kernels
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
+    from tiers.kernels import cpu as cpu_kernels
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner
 
     names = ("int4_mm_op", "add_rms_norm_op", "paged_attention_op", "rope_kv_write_op", "f32_linear_op")
     saved = [getattr(cpu_kernels, n) for n in names]
@@ -51,7 +51,7 @@ def _runner(kernels: bool, kw: dict[str, Any]) -> Any:
 def _measure_tier(kw: dict[str, Any], repeats: int) -> dict[str, Any]:
     import torch
 
-    from tiers.model_runner import RowInput
+    from tiers.worker.model_runner import RowInput
 
     runners = {"kernels": _runner(True, kw), "torch": _runner(False, kw)}
     tables: dict[str, list[list[int]]] = {}
@@ -84,9 +84,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from tiers import cpu_kernels
-    from tiers.device import DeviceWorker
-    from tiers.quant import TILED_INT4_MIN_ROWS
+    from tiers.kernels import cpu as cpu_kernels
+    from tiers.layers.quantization.quant import TILED_INT4_MIN_ROWS
+    from tiers.worker.device import DeviceWorker
 
     if kernels_missing(cpu_kernels.int4_mm_op()):
         return 2
@@ -122,7 +122,7 @@ def _plot(data: dict[str, Any]) -> None:
             [x + 0.2 for x in xs],
             [row["step_ms"]["kernels"][s] for s in SHAPES],
             0.4,
-            label="tiers/csrc kernels",
+            label="tiers/kernels/csrc kernels",
         )
         for x, s in zip(xs, SHAPES, strict=True):
             ax.text(

@@ -106,7 +106,7 @@ def dense_equivalent_mb() -> float:
     """KV the dense-slot engine reserved for the default policy: per tier, target and draft pools
     of max_num_seqs x max_model_len tokens plus the prefix pool (8,192 tokens)."""
     from router.policy.loader import load_policy
-    from tiers.plan import resolve_config
+    from tiers.models.plan import resolve_config
 
     policy = load_policy(str(POLICY))
     total = 0

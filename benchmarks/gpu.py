@@ -3,7 +3,7 @@
 What it runs, with nothing downloaded (models are built from configs with random weights in
 bf16 on the device; the token ids are arbitrary, which is all a timing needs):
 - the device-to-device copy bandwidth, measured here: the limit a decode step is held to;
-- per model shape (Qwen2.5-0.5B / 1.5B / 7B), the paged runner (``tiers.model_runner``, the fast
+- per model shape (Qwen2.5-0.5B / 1.5B / 7B), the paged runner (``tiers.worker.model_runner``, the fast
   path, FlexAttention over the pool on CUDA) at batch 1, 16 and 64 over a 512-token context:
   decode step time and tokens per second, beside the bandwidth limit of that step (weight bytes
   plus the batch's KV bytes, divided by the copy bandwidth);
@@ -100,8 +100,8 @@ def build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> An
 
 
 def runner_for(model: Any, device: torch.device, dtype: torch.dtype, tokens: int) -> Any:
-    from tiers.loading import LoadedModel
-    from tiers.model_runner import ModelRunner
+    from tiers.models.loading import LoadedModel
+    from tiers.worker.model_runner import ModelRunner
 
     tok = SimpleNamespace(pad_token_id=0)
     loaded = LoadedModel(model, tok, device, dtype, "none", "random")  # type: ignore[arg-type]
@@ -119,8 +119,8 @@ def weight_bytes(model: Any) -> int:
 
 
 def measure_shape(name: str, shape: dict[str, Any], s: Setup, bandwidth: float) -> dict[str, Any]:
-    from tiers.block_manager import BlockTable
-    from tiers.model_runner import RowInput
+    from tiers.core.block_manager import BlockTable
+    from tiers.worker.model_runner import RowInput
 
     dtype = torch.bfloat16 if s.device.type == "cuda" else torch.float32
     model = build(shape, s.device, dtype)

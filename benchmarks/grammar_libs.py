@@ -1,5 +1,5 @@
 """xgrammar vs llguidance on this CPU, on the real SmolLM2 tokenizer: the numbers behind the choice
-of grammar library in ``tiers/grammar.py``.
+of grammar library in ``tiers/sample/grammar.py``.
 
 For each library: the one-off tokenizer preparation, the compile time of three grammars (any JSON
 object, a nested schema, a tool-call schema) cold and cached, and the per-token cost of computing
@@ -122,7 +122,7 @@ def main() -> None:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from tiers.loading import materialize_embedded
+    from tiers.models.loading import materialize_embedded
 
     hf = AutoTokenizer.from_pretrained(materialize_embedded("smollm2-135m-instruct"))
     vocab = len(hf)

@@ -30,7 +30,7 @@ FORMATS = {"chat": "/v1/chat/completions", "text": "/v1/completions", "responses
 
 
 def _tokenizer_dir() -> Path:
-    from tiers.loading import materialize_embedded
+    from tiers.models.loading import materialize_embedded
 
     return materialize_embedded("smollm2-135m-instruct")
 

@@ -52,7 +52,7 @@ def _bf16_head(head: Any, op: Any) -> Any:
 def _heads(head: Any) -> dict[str, Any]:
     import torch
 
-    from tiers import cpu_kernels
+    from tiers.kernels import cpu as cpu_kernels
 
     return {
         VARIANTS[0]: _bf16_head(head, torch._weight_int8pack_mm),
@@ -62,8 +62,8 @@ def _heads(head: Any) -> dict[str, Any]:
 
 
 def _runners() -> dict[str, Any]:
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner
 
     made = {}
     for name in VARIANTS:
@@ -84,7 +84,7 @@ def _runners() -> dict[str, Any]:
 def _steps(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
     import random
 
-    from tiers.model_runner import RowInput
+    from tiers.worker.model_runner import RowInput
 
     rng = random.Random(0)
     ctx = [rng.randint(40, 100) for _ in range(16)]
@@ -103,7 +103,7 @@ def _steps(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]
 def _head_alone(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
     import torch
 
-    from tiers.quant import Int8WeightOnlyLinear
+    from tiers.layers.quantization.quant import Int8WeightOnlyLinear
 
     # A second copy of the head: alternating between them, every call reads from memory.
     default = runners[VARIANTS[2]].model.get_output_embeddings()
@@ -158,8 +158,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    from tiers import cpu_kernels
-    from tiers.device import DeviceWorker
+    from tiers.kernels import cpu as cpu_kernels
+    from tiers.worker.device import DeviceWorker
 
     if kernels_missing(cpu_kernels.w8a8_linear_op()):
         return 2

@@ -30,8 +30,8 @@ CONTEXT = 120
 
 
 def _runner(invariant: bool, kw: dict[str, Any]) -> Any:
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner
 
     loaded = load_model("embedded:smollm2-135m-instruct", **{**kw, "batch_invariant": invariant})
     return ModelRunner(loaded, num_blocks=1024, max_model_len=512, batch_invariant=invariant)
@@ -40,7 +40,7 @@ def _runner(invariant: bool, kw: dict[str, Any]) -> Any:
 def _measure_tier(kw: dict[str, Any], repeats: int) -> dict[str, Any]:
     import torch
 
-    from tiers.model_runner import RowInput
+    from tiers.worker.model_runner import RowInput
 
     runners = {"invariant": _runner(True, kw), "switching": _runner(False, kw)}
     tables: dict[str, list[list[int]]] = {}
@@ -74,8 +74,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    from tiers import cpu_kernels
-    from tiers.device import DeviceWorker
+    from tiers.kernels import cpu as cpu_kernels
+    from tiers.worker.device import DeviceWorker
 
     worker = DeviceWorker()  # the thread the service's tiers run on
     rows = []

@@ -28,7 +28,7 @@ POINTS: dict[str, dict[str, Any]] = {
 
 
 def main() -> None:
-    from tiers.device import DeviceWorker
+    from tiers.worker.device import DeviceWorker
 
     worker = DeviceWorker()
     data = worker.call(_measure)
@@ -38,8 +38,8 @@ def main() -> None:
 
 
 def _measure() -> dict[str, Any]:
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner, RowInput
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner, RowInput
 
     runners = {
         name: ModelRunner(

@@ -1,7 +1,8 @@
 """The medium tier's output head at four precisions, beside the small tier, in one process.
 
 The default policy's medium tier (int4 in groups of 32, W4A8) built with an int8 head (W8A8), with
-the mixed head of the default (``tiers.quant.MixedHead``: the first 16,384 token ids int8, the rest
+the mixed head of the default (``tiers.layers.quantization.quant.MixedHead``: the first 16,384 token ids
+int8, the rest
 int4), with 8,192 int8 rows, and with an all-int4 head; and the small tier (int4 g64 body and head)
 that a medium step is compared with. Measured, interleaved, on the device thread:
 
@@ -52,8 +53,8 @@ class _Timed:
 
 
 def _runners() -> dict[str, Any]:
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner
 
     made = {}
     for name, kw in VARIANTS.items():
@@ -65,7 +66,7 @@ def _runners() -> dict[str, Any]:
 
 
 def _steps(runners: dict[str, Any], repeats: int) -> dict[str, Any]:
-    from tiers.model_runner import RowInput
+    from tiers.worker.model_runner import RowInput
 
     rng = random.Random(0)
     ctx = [rng.randint(40, 100) for _ in range(16)]
@@ -110,7 +111,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    from tiers.device import DeviceWorker
+    from tiers.worker.device import DeviceWorker
 
     worker = DeviceWorker()  # the thread the service's tiers run on
     runners = worker.call(_runners)

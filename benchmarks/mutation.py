@@ -1,6 +1,6 @@
 """Mutation score of the riskiest modules, each against only its own fast tests (``make mutation``).
 
-The tester is mutmut 3 (chosen over cosmic-ray, both measured on ``tiers/block_manager.py``):
+The tester is mutmut 3 (chosen over cosmic-ray, both measured on ``tiers/core/block_manager.py``):
 mutmut imports the code and runs the suite once, then forks one process per mutant from a warm
 server and runs only the tests that reach the mutated function, switching mutants through a
 trampoline in a copy of the sources; cosmic-ray rewrites the file in place and starts a fresh
@@ -15,7 +15,7 @@ equivalent - a survivor that matches an entry of ``EQUIVALENT`` below, each with
 test can tell it from the original. The score is killed / (mutants - equivalent).
 
     python -m benchmarks.mutation                      # every module
-    python -m benchmarks.mutation tiers/scheduler.py   # some
+    python -m benchmarks.mutation tiers/core/sched/scheduler.py   # some
 """
 
 from __future__ import annotations
@@ -35,34 +35,37 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
 
 MODULES: dict[str, list[str]] = {
-    "tiers/block_manager.py": [
-        "tests/tiers/test_block_manager.py",
-        "tests/tiers/test_block_manager_properties.py",
-        "tests/tiers/test_block_manager_edges.py",
+    "tiers/core/block_manager.py": [
+        "tests/tiers/core/test_block_manager.py",
+        "tests/tiers/core/test_block_manager_properties.py",
+        "tests/tiers/core/test_block_manager_edges.py",
     ],
-    "tiers/scheduler.py": [
-        "tests/tiers/test_scheduler.py",
-        "tests/tiers/test_scheduler_properties.py",
-        "tests/tiers/test_scheduler_output.py",
-        "tests/tiers/test_scheduler_edges.py",
+    "tiers/core/sched/scheduler.py": [
+        "tests/tiers/core/sched/test_scheduler.py",
+        "tests/tiers/core/sched/test_scheduler_properties.py",
+        "tests/tiers/core/sched/test_scheduler_output.py",
+        "tests/tiers/core/sched/test_scheduler_edges.py",
     ],
-    "tiers/speculative.py": [
-        "tests/tiers/test_speculative.py",
-        "tests/tiers/test_speculative_rule.py",
-        "tests/tiers/test_sampling_speculative.py",
-        "tests/tiers/test_speculative_controller.py",
+    "tiers/spec_decode/speculative.py": [
+        "tests/tiers/spec_decode/test_speculative.py",
+        "tests/tiers/spec_decode/test_speculative_rule.py",
+        "tests/tiers/sample/test_sampling_speculative.py",
+        "tests/tiers/spec_decode/test_speculative_controller.py",
         "-k",
         "accept_batch or controller or ngram_proposer or k_not_in_use"
         " or speculative_rule or sampling_speculative",
     ],
-    "tiers/ngram.py": [
-        "tests/tiers/test_speculative.py",
-        "tests/tiers/test_speculative_rule.py",
-        "tests/tiers/test_speculative_controller.py",
+    "tiers/spec_decode/ngram.py": [
+        "tests/tiers/spec_decode/test_speculative.py",
+        "tests/tiers/spec_decode/test_speculative_rule.py",
+        "tests/tiers/spec_decode/test_speculative_controller.py",
         "-k",
         "ngram or speculative_rule",
     ],
-    "tiers/sampling.py": ["tests/tiers/test_sampling.py", "tests/tiers/test_sampling_speculative.py"],
+    "tiers/sample/sampler.py": [
+        "tests/tiers/sample/test_sampling.py",
+        "tests/tiers/sample/test_sampling_speculative.py",
+    ],
     "router/pipeline/cache.py": [
         "tests/router/test_cache.py",
         "tests/router/test_cache_edges.py",
@@ -91,7 +94,7 @@ _LOCALE = (
     "encoding=None reads with the locale's encoding, UTF-8 on every host this runs on (Python 3.11 "
     "coerces the C locale to UTF-8, PEP 538); equivalent there, and only there"
 )
-_BM = "tiers/block_manager.py"
+_BM = "tiers/core/block_manager.py"
 _NAMES = (
     "block names are only compared with each other inside one process (never stored or sent), so "
     "any fixed domain prefix, digest size or byte order that keeps distinct inputs distinct names "
@@ -265,7 +268,7 @@ EQUIVALENT_CACHE: list[tuple[str, str, str]] = [
         "unused row is never the answer, and a live row clears the threshold or nothing does",
     ),
 ]
-_SA = "tiers/sampling.py"
+_SA = "tiers/sample/sampler.py"
 _DIM = "the tensor is [rows, V] (2-D): dim +1 is dim -1"
 _INF = 'float() parses "inf" case-insensitively: "-INF" is -inf'
 _F32 = (
@@ -448,7 +451,7 @@ EQUIVALENT_SAMPLING: list[tuple[str, str, str]] = [
     ),
     (_SA, "block = torch.empty((len(unseeded), probs.shape[1]), ).exponential_(generator=shared)", _F32),
 ]
-_SC = "tiers/scheduler.py"
+_SC = "tiers/core/sched/scheduler.py"
 _ROWS = (
     "batch.seqs and batch.num_new_tokens are only ever appended together (_add_row): equal "
     "lengths, strict never fires"
@@ -473,8 +476,8 @@ EQUIVALENT_SCHEDULER: list[tuple[str, str, str]] = [
         "n > 1 means the sequence is more than one token behind, not decoding: _spec_wanted returns 0",
     ),
 ]
-_SP = "tiers/speculative.py"
-_NG = "tiers/ngram.py"
+_SP = "tiers/spec_decode/speculative.py"
+_NG = "tiers/spec_decode/ngram.py"
 _KNOT = "at a knot both neighbouring segments give the knot's own value"
 _DISTINCT = "the points' x are distinct (dict keys, a set of batch sizes): x1 != x0 always"
 _RATE = (

@@ -135,7 +135,7 @@ class PathTracer:
             if (
                 event == "call"
                 and frame.f_code.co_name in ("submit", "submit_n")
-                and frame.f_globals.get("__name__") == "tiers.engine"
+                and frame.f_globals.get("__name__") == "tiers.engine.llm_engine"
             ):
                 self.phase, self._engine_frame = "engine", frame
                 return

@@ -66,7 +66,7 @@ def main() -> None:
 
     from router.backends.base import model_key
     from router.backends.tierset import build_tiers
-    from tiers.device import DeviceWorker
+    from tiers.worker.device import DeviceWorker
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
@@ -148,7 +148,7 @@ def main() -> None:
 
 
 def _engine_tps(engine: Any, batch: list[list[int]]) -> tuple[float, int, int, int]:
-    from tiers.sequence import SamplingParams
+    from tiers.core.sequence import SamplingParams
 
     async def run() -> list[Any]:
         async def one(ids: list[int]) -> Any:

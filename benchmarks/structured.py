@@ -52,8 +52,8 @@ def main() -> None:
 
     from router.backends.tierset import build_tiers
     from router.policy.loader import load_policy
-    from tiers.device import DeviceWorker
-    from tiers.grammar import GrammarSpec, compiler_for
+    from tiers.sample.grammar import GrammarSpec, compiler_for
+    from tiers.worker.device import DeviceWorker
 
     policy = load_policy(ROOT / "policies/default.yaml")
     worker = DeviceWorker()
@@ -108,7 +108,7 @@ def main() -> None:
 
 
 def _run(engine: Any, batch: list[list[int]], make: Any) -> dict[str, Any]:
-    from tiers.sequence import SamplingParams
+    from tiers.core.sequence import SamplingParams
 
     async def run() -> list[list[int]]:
         async def one(ids: list[int]) -> list[int]:

@@ -30,8 +30,8 @@ TEXT = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _runner(int8: bool) -> Any:
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
+    from tiers.models.loading import load_model
+    from tiers.worker.model_runner import ModelRunner
 
     loaded = load_model(
         "embedded:smollm2-135m-instruct",
@@ -44,7 +44,7 @@ def _runner(int8: bool) -> Any:
 
 
 def _speed(repeats: int) -> dict[str, dict[str, float]]:
-    from tiers.model_runner import RowInput
+    from tiers.worker.model_runner import RowInput
 
     runners = {name: _runner(int8) for name, int8 in VARIANTS.items()}
     rng = random.Random(0)
@@ -67,7 +67,7 @@ def _speed(repeats: int) -> dict[str, dict[str, float]]:
 def _quality() -> dict[str, Any]:
     import torch
 
-    from tiers.loading import load_model
+    from tiers.models.loading import load_model
 
     text = TEXT.read_text()
     out: dict[str, Any] = {
@@ -100,8 +100,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from tiers import cpu_kernels
-    from tiers.device import DeviceWorker
+    from tiers.kernels import cpu as cpu_kernels
+    from tiers.worker.device import DeviceWorker
 
     if kernels_missing(cpu_kernels.w4a8_mm_op()):
         return 2

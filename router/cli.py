@@ -72,7 +72,7 @@ def _unknown_key_tenants(policy: Policy) -> list[str]:
 
 def cmd_policy_plan(args: argparse.Namespace) -> int:
     """Weights + KV + activations per tier from configs alone; exit 2 when it cannot fit."""
-    from tiers.plan import parse_memory, plan_policy
+    from tiers.models.plan import parse_memory, plan_policy
 
     policy = _load_policy(args.file)
     if policy is None:
@@ -145,7 +145,7 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
 def cmd_models_prepare(args: argparse.Namespace) -> int:
-    from tiers.loading import ModelLoadError, materialize_embedded
+    from tiers.models.loading import ModelLoadError, materialize_embedded
 
     policy = _load_policy(args.policy)
     if policy is None:

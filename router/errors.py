@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "AuthError",
@@ -19,6 +20,7 @@ __all__ = [
     "PolicyError",
     "PolicyIssue",
     "RateLimitError",
+    "RemoteError",
     "RouterError",
     "UnavailableError",
     "anthropic_error_body",
@@ -162,3 +164,25 @@ class PolicyError(Exception):
         lines = [f"invalid policy {self.source}: {len(self.issues)} error(s)"]
         lines += [f"  {self.source}:{issue}" for issue in self.issues]
         return "\n".join(lines)
+
+
+class RemoteError(RuntimeError):
+    """A remote tier's failure (``router.backends.remote_client``), mapped to an OpenAI error by the
+    writer; not a ``RouterError`` because its status and body come from the upstream."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 502,
+        *,
+        body: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+        started: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+        """A 4xx upstream's ``error`` object (message, type, param, code), passed to the client."""
+        self.retry_after = retry_after
+        self.started = started
+        """True when part of the answer had already been passed on (the stream was cut)."""

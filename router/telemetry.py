@@ -26,7 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tiers.sequence import Sequence
+    from tiers.core.sequence import Sequence
 
 __all__ = ["Telemetry"]
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tiers.device import DeviceWorker
+    from tiers.worker.device import DeviceWorker
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +44,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """The real embedded default, materialized (slow the first time on a machine)."""
-    from tiers.loading import materialize_embedded
+    from tiers.models.loading import materialize_embedded
 
     return materialize_embedded("smollm2-135m-instruct")
 
@@ -52,7 +52,7 @@ def embedded_model_dir() -> Path:
 @pytest.fixture(scope="module")
 def worker() -> Iterator[DeviceWorker]:
     """The one device thread a test module's engines run on."""
-    from tiers.device import DeviceWorker
+    from tiers.worker.device import DeviceWorker
 
     w = DeviceWorker()
     yield w

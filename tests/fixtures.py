@@ -155,12 +155,12 @@ def make_engine(
 
     ``draft_quantization`` (or ``draft_dir``, another tiny model) gives it a draft runner with
     its own pool, as a tier below would have; ``ngram`` drafts by n-gram lookup instead."""
-    from tiers.device import DeviceWorker
-    from tiers.engine import Engine
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner
-    from tiers.ngram import NgramProposer
-    from tiers.scheduler import SchedulerConfig
+    from tiers.core.sched.scheduler import SchedulerConfig
+    from tiers.engine.llm_engine import Engine
+    from tiers.models.loading import load_model
+    from tiers.spec_decode.ngram import NgramProposer
+    from tiers.worker.device import DeviceWorker
+    from tiers.worker.model_runner import ModelRunner
 
     assert isinstance(worker, DeviceWorker)
 

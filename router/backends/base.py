@@ -19,7 +19,7 @@ from router.openai.writer import NOTHING_SERVED, Served
 if TYPE_CHECKING:
     from router.openai.request import Generation
     from router.policy.schema import TierConfig
-    from tiers.output import StepOutput
+    from tiers.core.output import StepOutput
 
 __all__ = ["Backend", "Prepared", "engine_key", "model_key"]
 

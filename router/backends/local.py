@@ -21,9 +21,9 @@ from router.errors import BadRequestError, OverloadedError
 from router.openai.logprobs import token_texts
 from router.openai.request import Generation
 from router.openai.writer import NOTHING_SERVED, RETRY_AFTER_S, Served
-from tiers.engine import Engine, EngineFullError, EngineLoad
-from tiers.output import StepOutput
-from tiers.sequence import SamplingParams
+from tiers.core.output import StepOutput
+from tiers.core.sequence import SamplingParams
+from tiers.engine.llm_engine import Engine, EngineFullError, EngineLoad
 
 if TYPE_CHECKING:
     from router.openai.structured import OutputSpec
@@ -236,7 +236,7 @@ def _logprobs(gen: Generation) -> int | None:
 def choice_params(backend: LocalTier, gen: Generation, base: SamplingParams) -> list[SamplingParams]:
     """One ``SamplingParams`` per generated choice: each its own grammar matcher, and with a
     ``seed``, its own seed (choice i uses seed + i), so choices differ but replay exactly."""
-    from tiers.grammar import GrammarError, compiler_for
+    from tiers.sample.grammar import GrammarError, compiler_for
 
     spec = gen.output
     count = max(spec.n, spec.best_of) if spec is not None else 1
@@ -290,7 +290,7 @@ def submit_local(
     # prompts never warm, or time, another's cached KV. Anonymous callers share the unsalted cache.
     partition = gen.ctx.partition if gen.ctx is not None else "-"
     salt = "" if partition == "-" else partition
-    # Fair sharing of batch slots between callers (tiers/scheduler.py): a flood cannot starve
+    # Fair sharing of batch slots between callers (tiers/core/sched/scheduler.py): a flood cannot starve
     # a trickle, and each caller's requests keep their order.
     caller = (gen.ctx.principal or "") if gen.ctx is not None else ""
     try:
@@ -329,7 +329,7 @@ async def prepare_local_async(
     are copies), tokenization in a worker thread; the caller submits (``submit_local``) on the
     loop. A compilation past its budget is a 400 (it finishes in the background and is cached, so
     a retry of the same schema is fast)."""
-    from tiers.grammar import GrammarError, compiler_for
+    from tiers.sample.grammar import GrammarError, compiler_for
 
     spec = gen.output
     if spec is not None and spec.grammar is not None:

@@ -1,4 +1,4 @@
-"""A tier served by an OpenAI-compatible URL (``tiers.remote.RemoteTier``), as a ``Backend``:
+"""A tier served by an OpenAI-compatible URL (``router.backends.remote_client.RemoteTier``), as a ``Backend``:
 the request is forwarded with the fields the client sent, the answer streams back as the engine's
 ``StepOutput`` so the same writer shapes it."""
 
@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from router.backends.base import Prepared, engine_key
 from router.backends.local import system_fingerprint
+from router.backends.remote_client import RemoteLoad, RemoteTier
+from router.errors import RemoteError
 from router.openai.writer import Served, remote_error
-from tiers.output import StepOutput
-from tiers.remote import RemoteError, RemoteLoad, RemoteTier
+from tiers.core.output import StepOutput
 
 if TYPE_CHECKING:
     from router.openai.request import Generation

@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any
 from router.backends.base import Backend, engine_key, model_key
 from router.backends.local import LocalTier
 from router.backends.remote import RemoteBackend
+from router.backends.remote_client import RemoteTier
 from router.errors import PolicyError, PolicyIssue
 from router.policy.decide import TierBatch
 from router.policy.schema import NGRAM
-from tiers.engine import Engine, EngineObserver
-from tiers.pacing import RoutingCost, routing_cost
-from tiers.remote import RemoteTier
+from tiers.core.sched.pacing import RoutingCost, routing_cost
+from tiers.engine.llm_engine import Engine, EngineObserver
 
 if TYPE_CHECKING:
     from router.policy.schema import Policy, TierConfig
-    from tiers.device import DeviceWorker
-    from tiers.loading import LoadedModel
+    from tiers.models.loading import LoadedModel
+    from tiers.worker.device import DeviceWorker
 
 __all__ = ["TierSet", "build_tiers"]
 
@@ -77,7 +77,7 @@ class TierSet:
         self, waits: Mapping[str, float], output_tokens: Mapping[str, int], prompt_tokens: int
     ) -> dict[str, RoutingCost]:
         """Per local tier, what one more request costs on the shared device now
-        (``tiers.pacing.routing_cost``): ``waits`` are the predicted waits for its first token
+        (``tiers.core.sched.pacing.routing_cost``): ``waits`` are the predicted waits for its first token
         (admission's), ``output_tokens`` its expected length on each tier. Tiers not yet measured,
         and remote tiers (they run on their own devices), are left out."""
         engines = self.worker.engines if self.worker is not None else self.engines()
@@ -227,11 +227,11 @@ def build_tiers(
     Tiers whose ``engine_key`` is unchanged in ``reuse`` are taken over as they are; so are loaded
     models with the same (model, dtype, quantization, device).
     """
-    from tiers.loading import load_model
-    from tiers.model_runner import ModelRunner, kv_bytes_per_token
-    from tiers.ngram import NgramProposer
-    from tiers.plan import device_memory, kv_budget_tokens
-    from tiers.scheduler import SchedulerConfig
+    from tiers.core.sched.scheduler import SchedulerConfig
+    from tiers.models.loading import load_model
+    from tiers.models.plan import device_memory, kv_budget_tokens
+    from tiers.spec_decode.ngram import NgramProposer
+    from tiers.worker.model_runner import ModelRunner, kv_bytes_per_token
 
     started = time.monotonic()
     models: dict[tuple[Any, ...], LoadedModel] = {}

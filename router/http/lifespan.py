@@ -63,7 +63,7 @@ def make_lifespan(
     async def lifespan(app: Litestar) -> AsyncGenerator[None, None]:
         from classifier import ComplexityClassifier
         from router.pipeline.cache import build_cache
-        from tiers.device import DeviceWorker
+        from tiers.worker.device import DeviceWorker
 
         state = app.state
         telemetry = Telemetry(record_content=policy.service.telemetry.record_content)

@@ -12,7 +12,7 @@ import functools
 import threading
 from typing import Any
 
-from tiers.output import TokenLogprob
+from tiers.core.output import TokenLogprob
 
 __all__ = ["TokenTexts", "chat_logprobs", "completion_logprobs", "prompt_completion_logprobs", "token_texts"]
 

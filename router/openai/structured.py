@@ -48,7 +48,7 @@ from typing import Any, Literal
 from router.errors import BadRequestError
 from router.openai.json_schema import check_strict_schema, close_objects
 from router.openai.schemas import ChatCompletionRequest, CompletionRequest, ContentPart
-from tiers.grammar import GrammarSpec, json_options
+from tiers.sample.grammar import GrammarSpec, json_options
 
 __all__ = [
     "CALL_CLOSE",

@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.errors import RouterError, UnavailableError
+from router.errors import RemoteError, RouterError, UnavailableError
 from router.openai.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -39,8 +39,7 @@ from router.openai.logprobs import (
 from router.openai.request import completion_id
 from router.openai.structured import OutputSpec
 from router.openai.tools import ToolCallStreamer, parse_tool_calls
-from tiers.output import StepOutput
-from tiers.remote import RemoteError
+from tiers.core.output import StepOutput
 
 if TYPE_CHECKING:
     from router.openai.request import Generation
@@ -444,7 +443,8 @@ def _best(gen: Generation, choices: list[ChoiceBuilder]) -> list[ChoiceBuilder]:
 
 
 def remote_error(exc: RemoteError) -> RouterError:
-    """An upstream failure as the client should see it (see ``tiers.remote``): a 4xx keeps its
+    """An upstream failure as the client should see it (see ``router.backends.remote_client``): a 4xx keeps
+    its
     status, error body and Retry-After; unavailable/timed out is a 503; anything else a 502."""
     if 400 <= exc.status_code < 500:
         body = exc.body or {}

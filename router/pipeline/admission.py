@@ -3,7 +3,7 @@ within its deadline; otherwise the policy's fallback applies, else it is refused
 
 Each tier reports how long a request submitted now would wait for its first token
 (``Engine.predicted_wait``: the prompt work queued ahead of this request and its own prompt, at
-the measured cost of a token, plus a slot's wait when it must queue, ``tiers/pacing.py``; 0 for
+the measured cost of a token, plus a slot's wait when it must queue, ``tiers/core/sched/pacing.py``; 0 for
 remote tiers, which queue on their side). The request's wait budget on a tier is the
 tier's ``max_queue_wait_s``, lowered by the client's own deadline (``x-request-timeout``, seconds,
 capped at ``service.max_request_timeout_s``). A tier refuses when its queue is full, its circuit is
@@ -15,7 +15,7 @@ instead of waiting past any realistic client timeout.
 Priorities: a tenant's ``priority`` scales its budget (``low`` x0.5: shed first; ``high`` x2).
 
 Fairness, in two layers. In the engine, batch slots are shared between callers (the scheduler's
-fair queuing and fairness preemption, ``tiers/scheduler.py``), and the predicted wait is the
+fair queuing and fairness preemption, ``tiers/core/sched/scheduler.py``), and the predicted wait is the
 caller's own: a light caller is admitted while a flood is refused. Here, ``FairShare`` keeps, per
 tier, each caller's admitted requests (tenant, or key for keys without one). While several
 callers have used a tier recently, none may hold more than an equal share of the tier's

@@ -2,7 +2,7 @@
 wheel, offline), run as a small NumPy BERT.
 
 Why NumPy and not torch: every torch kernel of the service runs on the device thread (see
-``tiers/device.py``); a second thread issuing torch ops would slow the engines down. A 6-layer,
+``tiers/worker/device.py``); a second thread issuing torch ops would slow the engines down. A 6-layer,
 384-wide encoder over one short query is a few milliseconds of single-threaded BLAS, runs in any
 thread, and needs no exported graph.
 """

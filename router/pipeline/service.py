@@ -25,7 +25,7 @@ from router.pipeline.limits import TenantLimiter
 from router.pipeline.session import SessionMemory
 from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
 from router.policy.decide import Decision, RouteRequest, decide
-from tiers.output import StepOutput
+from tiers.core.output import StepOutput
 
 if TYPE_CHECKING:
     from classifier import ComplexityClassifier, ComplexityScore

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from router.openai.request import Generation
     from router.policy.decide import Decision
     from router.policy.schema import FeedbackConfig, Policy, ShadowConfig
-    from tiers.output import StepOutput
+    from tiers.core.output import StepOutput
 
 __all__ = [
     "MAX_SCORES_PER_ID",

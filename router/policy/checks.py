@@ -64,7 +64,7 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
         if tier.block_size not in (8, 16, 32, 64, 128):
             ctx.error((*p, "block_size"), f"must be 8, 16, 32, 64 or 128, got {tier.block_size}")
         if tier.kv_cache_memory is not None:
-            from tiers.plan import parse_memory
+            from tiers.models.plan import parse_memory
 
             try:
                 parse_memory(tier.kv_cache_memory, device_total=1)

@@ -14,7 +14,7 @@ Order of evaluation:
    below drain instead of taking turns with it) - an idle tier counts as running when it is
    likely to run anyway (``TierBatch.busy`` of at least ``BUSY_JOIN``); when none is, the one
    whose ``costs`` (the request's predicted completion plus the delay it adds to others on the
-   shared device, ``tiers/pacing.py``) are lowest - a higher one while within ``up_tolerance``
+   shared device, ``tiers/core/sched/pacing.py``) are lowest - a higher one while within ``up_tolerance``
    of the lowest. The rule becomes ``load:<rule>`` when it moved.
 4. Session: a follow-up of a conversation that had a tier (``session``, see router/pipeline/session.py)
    never goes below it (``floor``), or stays on it (``pin``). Not for tiers forced by name.

@@ -46,7 +46,7 @@ class GenerationDefaults:
 
 
 NGRAM = "ngram"
-"""``draft: ngram``: draft by n-gram lookup (``tiers.ngram.NgramProposer``), not a tier."""
+"""``draft: ngram``: draft by n-gram lookup (``tiers.spec_decode.ngram.NgramProposer``), not a tier."""
 
 
 @dataclass(slots=True)
@@ -66,12 +66,13 @@ class TierConfig:
     """int4 with ``quantize_head``: the vocabulary's first N rows of the head stay int8 (a BPE
     vocabulary's low ids are its frequent tokens), the rest int4; a multiple of 64. The default
     medium tier keeps 16,384: the int8 head's greedy agreement at two thirds of its bytes
-    (``tiers.quant.MixedHead``)."""
+    (``tiers.layers.quantization.quant.MixedHead``)."""
     activation_quantization: Literal["none", "int8"] = "none"
     """int4: ``int8`` quantizes each row's activations to int8 per weight group at run time (W4A8,
     llama.cpp's Q8 activations) and runs integer dot products: ~2.5x faster int4 projections on
     the CPU, with W4A8 numbers rather than the bf16 ones; an int8 head (``quantize_head: false``)
-    then takes int8 activations too (W8A8, ``tiers.quant.Int8WeightOnlyLinear``). ``none``: bf16
+    then takes int8 activations too (W8A8, ``tiers.layers.quantization.quant.Int8WeightOnlyLinear``).
+    ``none``: bf16
     activations."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``..."""
@@ -104,7 +105,7 @@ class TierConfig:
     attention kernel (the paged one) serves every query length, so a prompt computed whole, in
     chunks, or from the prefix cache gives the same logits (measured cost on a 512-token prefill:
     within 3%, noise), and fp32 linears take one packed GEMM at every row count, from the library
-    (MKL or oneDNN) checked batch-invariant on this CPU at load (``tiers.fp32_packed``). The
+    (MKL or oneDNN) checked batch-invariant on this CPU at load (``tiers.layers.fp32_packed``). The
     quantized GEMM paths are row-independent already. false: prompt chunks over 64 tokens take
     gather + SDPA, and fp32 switches kernels by row count where that measured faster (MKL's
     packed GEMM at 4-16 rows on Intel, the one/two-row GEMV on AVX512 AMD)."""
@@ -254,7 +255,7 @@ class Routing:
     """``static``: the rule's tier. ``load_aware``: the rule's tier or any above it (within the
     tenant's tiers), whichever costs least on the shared device now - the request's own
     predicted completion time plus the delay it adds to the sequences already decoding
-    (``tiers/pacing.py``): cheap tiers at light load, the running batch of a busy tier instead
+    (``tiers/core/sched/pacing.py``): cheap tiers at light load, the running batch of a busy tier instead
     of a fresh batch on an idle one under load. ``x-router-rule`` is ``load:<rule>`` when load
     raised the tier."""
     load_aware: LoadAwareConfig = field(default_factory=LoadAwareConfig)

@@ -12,7 +12,7 @@ from router.backends.tierset import build_tiers
 from router.errors import PolicyError
 from router.policy.loader import parse_policy
 from tests.fixtures import build_tiny_model
-from tiers.device import DeviceWorker
+from tiers.worker.device import DeviceWorker
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ routing:
 def test_an_ngram_draft_builds_a_lookup_drafter_with_its_own_bookkeeping(
     worker: DeviceWorker, tiny_model_dir: Path
 ) -> None:
-    from tiers.ngram import NgramProposer
+    from tiers.spec_decode.ngram import NgramProposer
 
     policy = parse_policy(f"""
 version: 1
@@ -100,8 +100,8 @@ async def test_int8_activations_are_their_own_model_and_answer(
     """Two int4 tiers on one model, one with int8 activations: each gets its own loaded model (the
     same weights quantized once per numerics - sharing one would serve one tier the other's), and
     the W4A8 tier answers through its engine."""
-    from tiers.quant import Int4WeightOnlyLinear
-    from tiers.sequence import SamplingParams
+    from tiers.core.sequence import SamplingParams
+    from tiers.layers.quantization.quant import Int4WeightOnlyLinear
 
     policy = parse_policy(f"""
 version: 1

@@ -17,7 +17,7 @@ from router.policy.decide import BUSY_JOIN, RouteRequest, TierBatch, decide
 from router.policy.loader import parse_policy
 from router.policy.schema import TierConfig
 from tests.router.policy.test_decide import Score
-from tiers.request import EngineLoad
+from tiers.engine.request import EngineLoad
 
 POLICY = parse_policy(
     textwrap.dedent("""

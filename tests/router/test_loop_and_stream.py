@@ -59,7 +59,7 @@ def test_tokenization_and_grammar_compilation_run_off_the_event_loop(
     """Bug: a long prompt was tokenized twice on the loop (0.6-0.9 s each at 1 MB: routing's
     count, then the tier's template) and a fresh schema compiled there (2.8 s at 5,000
     properties): /healthz and every stream stalled meanwhile."""
-    from tiers.grammar import compiler_for
+    from tiers.sample.grammar import compiler_for
 
     seen = _OnLoop()
     counting = server.service.tiers.counting_tokenizer()

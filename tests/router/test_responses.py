@@ -18,7 +18,7 @@ from router.openai.schemas import ChatCompletionRequest, ChatMessage
 from router.openai.writer import InFlight, Merged, ResponseWriter
 from router.policy.decide import Decision
 from router.telemetry import Telemetry
-from tiers.output import StepOutput
+from tiers.core.output import StepOutput
 
 
 class SlowClose:

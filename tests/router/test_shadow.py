@@ -185,7 +185,7 @@ def test_sampling_and_targets() -> None:
 def test_a_real_request_preempts_running_shadow_answers(tmp_path: Path) -> None:
     import asyncio
 
-    from tiers.output import StepOutput
+    from tiers.core.output import StepOutput
 
     closed: list[bool] = []
 

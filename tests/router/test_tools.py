@@ -30,8 +30,8 @@ from router.openai.structured import (
 )
 from router.openai.tools import ToolCallStreamer, parse_tool_calls
 from router.openai.writer import ChoiceBuilder, Merged
-from tiers.grammar import GrammarCompiler, compiler_for
-from tiers.output import StepOutput, TokenLogprob
+from tiers.core.output import StepOutput, TokenLogprob
+from tiers.sample.grammar import GrammarCompiler, compiler_for
 
 WEATHER = {
     "type": "function",

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from tests.router.conftest import Server, keyed_tiny_server
-from tiers import cpu_kernels
+from tiers.kernels import cpu as cpu_kernels
 
 GOLDEN = Path(__file__).parent / "golden" / "wire.txt"
 KEYS_ENV = "TIERED_ROUTER_TEST_GOLDEN_KEYS"
@@ -397,7 +397,7 @@ def record(client: httpx.Client, case: Case) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # torch's own kernels, whether or not this checkout built tiers/csrc: with the build, attention
+    # torch's own kernels, whether or not this checkout built tiers/kernels/csrc: with the build, attention
     # runs the paged kernel instead of gather + SDPA, and the tiny tiers' logprobs move by ~2e-3
     # (tokens too, near ties). The wire format is what this test pins, on every host alike.
     with pytest.MonkeyPatch.context() as patch:
