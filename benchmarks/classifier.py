@@ -24,7 +24,7 @@ import numpy as np
 
 from classifier import ComplexityClassifier
 from classifier.data import HELDOUT_PATH, LABELS, load_jsonl
-from classifier.evaluate import classification_metrics
+from classifier.validation.evaluate import classification_metrics
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_P50_MS, TARGET_P99_MS = 0.5, 1.0

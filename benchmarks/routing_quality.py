@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks.common import plot_path, write_json
 from classifier import ComplexityClassifier
-from classifier.outcome_train import (
+from classifier.training.outcome_train import (
     DIFFICULTY_7B,
     DIFFICULTY_PAIR,
     DROPPED_SUBJECTS,
@@ -57,15 +57,8 @@ from classifier.outcome_train import (
     outcome_proba,
     training_rows,
 )
-from classifier.outcomes import (
-    OutcomeRow,
-    heldout_subjects,
-    load_outcomes,
-    random_apgr,
-    routing_metrics,
-)
-from classifier.selection import LATENCY_PROMPT
-from classifier.validation import (
+from classifier.training.selection import LATENCY_PROMPT
+from classifier.validation.families import (
     LENGTH,
     RANDOM,
     family_table,
@@ -74,6 +67,13 @@ from classifier.validation import (
     prompt_length,
     select_worst_family,
     worst_family,
+)
+from classifier.validation.outcomes import (
+    OutcomeRow,
+    heldout_subjects,
+    load_outcomes,
+    random_apgr,
+    routing_metrics,
 )
 
 FOLDS = 5

@@ -43,7 +43,7 @@ def _pair(text: str | None) -> tuple[str, str] | None:
 
 
 def cmd_train_outcomes(args: argparse.Namespace) -> int:
-    from classifier.outcome_train import OUTCOME_CONFIG, PROXY_PATH, train_outcomes
+    from classifier.training.outcome_train import OUTCOME_CONFIG, PROXY_PATH, train_outcomes
 
     paths = [Path(args.outcomes), *(Path(p) for p in args.extra or [])]
     rated = [Path(p) for p in args.difficulty or []]
@@ -68,7 +68,7 @@ def cmd_train_outcomes(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from classifier.train import CANDIDATES, train
+    from classifier.training.train import CANDIDATES, train
 
     if args.outcomes is not None:
         return cmd_train_outcomes(args)
@@ -90,8 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from classifier.evaluate import evaluate, evaluate_outcomes, format_families, format_report
-    from classifier.outcome_train import DIFFICULTY_PAIR, lofo_fitter
+    from classifier.training.outcome_train import DIFFICULTY_PAIR, lofo_fitter
+    from classifier.validation.evaluate import evaluate, evaluate_outcomes, format_families, format_report
 
     if args.outcomes is not None:
         files = list(args.outcomes)
@@ -159,7 +159,7 @@ def _has_scores(path: str) -> bool:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from classifier.calibrate import calibrate, parse_shares
+    from classifier.validation.calibrate import calibrate, parse_shares
 
     if not Path(args.data).is_file():
         return _fail(f"no such file: {args.data}")
@@ -189,7 +189,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_judge(args: argparse.Namespace) -> int:
-    from classifier.judge import SCORERS, judge_shadow_log
+    from classifier.validation.judge import SCORERS, judge_shadow_log
 
     for path in (args.shadow, args.references):
         if not Path(path).is_file():
@@ -214,7 +214,10 @@ def register(subparsers: Any, *, policy_writer: PolicyWriter | None = None) -> N
 
 
 def _add_commands(sub: Any, policy_writer: PolicyWriter | None = None) -> None:
-    from classifier.train import CANDIDATES, DEFAULT_CONFIG  # cheap: scikit-learn loads inside train()
+    from classifier.training.train import (  # cheap: scikit-learn loads inside train()
+        CANDIDATES,
+        DEFAULT_CONFIG,
+    )
 
     p = sub.add_parser(
         "train", help="train on labeled prompts or on outcomes; export model.onnx + metadata.json"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from classifier.calibrate import DECIMALS
+from classifier.validation.calibrate import DECIMALS
 
 __all__ = ["write_thresholds"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from classifier.calibrate import calibrate, parse_shares, propose_thresholds, routing_yaml
 from classifier.data import HELDOUT_PATH
+from classifier.validation.calibrate import calibrate, parse_shares, propose_thresholds, routing_yaml
 
 
 def test_parse_shares() -> None:

@@ -94,7 +94,7 @@ def test_serving_imports_stay_light() -> None:
     code = (
         "import sys, argparse\n"
         "from classifier import ComplexityClassifier\n"
-        "import classifier.cli, classifier.evaluate, classifier.calibrate\n"
+        "import classifier.cli, classifier.validation.evaluate, classifier.validation.calibrate\n"
         "p = argparse.ArgumentParser(); classifier.cli.register(p.add_subparsers())\n"
         "ComplexityClassifier.load().score('hello')\n"
         "heavy = [m for m in ('sklearn', 'skl2onnx', 'scipy', 'onnx') if m in sys.modules]\n"

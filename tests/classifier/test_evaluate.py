@@ -10,8 +10,8 @@ import pytest
 from sklearn.metrics import accuracy_score, f1_score
 
 from classifier.data import HELDOUT_PATH
-from classifier.evaluate import classification_metrics, evaluate, format_report
 from classifier.inference import COMPLEXITY_DIR
+from classifier.validation.evaluate import classification_metrics, evaluate, format_report
 
 DESIGN_KEYS = {"n", "accuracy", "macro_f1", "confusion", "severe_error_rate", "p50_ms", "p99_ms"}
 

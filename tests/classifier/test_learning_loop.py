@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from classifier.cli import main as classifier_main
-from classifier.judge import exact_match, judge_rows, normalize, number_match
-from classifier.outcomes import load_outcomes
+from classifier.validation.judge import exact_match, judge_rows, normalize, number_match
+from classifier.validation.outcomes import load_outcomes
 from router.http.app import admin_listener
 from router.pipeline.shadow import ShadowRecorder, shadow_row
 from tests.fixtures import tiny_policy_yaml

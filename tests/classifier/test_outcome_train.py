@@ -12,16 +12,16 @@ import pytest
 
 from classifier import ComplexityClassifier
 from classifier.data import TRAIN_PATH, load_jsonl, write_jsonl
-from classifier.evaluate import evaluate_outcomes
 from classifier.inference import ARTIFACT_DIR
-from classifier.outcome_train import (
+from classifier.training.outcome_train import (
     PROXY_PATH,
     fit_outcomes,
     outcome_proba,
     tier_masses,
     train_outcomes,
 )
-from classifier.outcomes import load_outcomes
+from classifier.validation.evaluate import evaluate_outcomes
+from classifier.validation.outcomes import load_outcomes
 
 ROOT = Path(__file__).resolve().parents[2]
 MMLU = ROOT.parent / "shared/data/routing/mmlu_outcomes.jsonl.gz"
@@ -69,7 +69,7 @@ def test_value_is_the_learned_probability(trained: tuple[Path, dict], synthetic:
 
 
 def test_graph_matches_scikit_learn(synthetic: Path) -> None:
-    from classifier.outcome_train import _onnx_value, export_outcome_onnx
+    from classifier.training.outcome_train import _onnx_value, export_outcome_onnx
 
     rows = load_outcomes(synthetic)
     pipeline = fit_outcomes(rows)
@@ -106,10 +106,10 @@ def test_length_column_counts_characters_not_tokens() -> None:
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import StringTensorType
 
-    from classifier.features import FamilyCounts, register_converters
-    from classifier.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, OUTCOME_CONFIG
     from classifier.text import OUTCOME_GROUPS, model_text
-    from classifier.train import TARGET_OPSET
+    from classifier.training.features import FamilyCounts, register_converters
+    from classifier.training.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, OUTCOME_CONFIG
+    from classifier.training.train import TARGET_OPSET
 
     assert OUTCOME_CONFIG.length_unit == "chars"
     register_converters()
@@ -128,9 +128,9 @@ def test_length_column_counts_characters_not_tokens() -> None:
 
 
 def test_domain_cues_are_gated_off_on_multiple_choice_questions() -> None:
-    from classifier.features import TokenCounts
-    from classifier.outcome_train import DOMAIN_GROUPS
     from classifier.text import OUTCOME_GROUPS, model_text
+    from classifier.training.features import TokenCounts
+    from classifier.training.outcome_train import DOMAIN_GROUPS
 
     names = [n for n, _ in OUTCOME_GROUPS]
     counts = TokenCounts(OUTCOME_GROUPS, gate="choices", gated=DOMAIN_GROUPS, gate_at=3).fit([])
@@ -182,10 +182,10 @@ def test_family_features_match_the_graph_and_keep_length_inside_a_family() -> No
     and "if" sending it to the reasoning family, its dollar signs setting the code-symbols flag)."""
     import onnxruntime as ort
 
-    from classifier.features import FamilyCounts, register_converters
-    from classifier.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, FAMILY_FLAGS, MATHS_OVERRIDE
     from classifier.text import OUTCOME_GROUPS, model_text
-    from classifier.train import model_rows
+    from classifier.training.features import FamilyCounts, register_converters
+    from classifier.training.outcome_train import CODE_OVERRIDE, DOMAIN_GROUPS, FAMILY_FLAGS, MATHS_OVERRIDE
+    from classifier.training.train import model_rows
 
     register_converters()
     feats = FamilyCounts(
@@ -247,7 +247,7 @@ def test_pass_rates_train_as_soft_targets() -> None:
     """Pass rates (0.3 / 0.9) are a gain probability strong * (1 - weak), not a coin flip on
     strong > weak: a row where both models are equally good still holds some gain mass, and 0/1
     outcomes give exactly the old 0/1 target."""
-    from classifier.outcome_train import outcome_targets
+    from classifier.training.outcome_train import outcome_targets
 
     rows = [
         {"prompt": "a", "weak": 0.3, "strong": 0.9},

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from classifier.outcomes import (
+from classifier.validation.outcomes import (
     MMLU_CATEGORIES,
     family_of,
     heldout_subjects,
@@ -144,7 +144,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 
 def test_shadow_and_feedback_lines_merge_by_id(tmp_path: Path) -> None:
-    from classifier.outcomes import merge_by_id
+    from classifier.validation.outcomes import merge_by_id
 
     shadow = {"id": "r1", "prompt": "p", "outcomes": {"large": 1.0}, "answers": {}}
     feedback = {"id": "r1", "outcomes": {"small": 0.0}}

@@ -12,7 +12,7 @@ import pytest
 from classifier import ComplexityClassifier
 from classifier.data import HELDOUT_PATH, TRAIN_PATH, load_jsonl, write_jsonl
 from classifier.inference import COMPLEXITY_DIR
-from classifier.train import (
+from classifier.training.train import (
     CANDIDATES,
     DEFAULT_CONFIG,
     Config,
@@ -132,7 +132,7 @@ def test_retraining_reproduces_the_complexity_artifact(tmp_path: Path) -> None:
 
 
 def test_validation_split_is_carved_from_train_only() -> None:
-    from classifier.selection import validation_rows
+    from classifier.training.selection import validation_rows
 
     fit_rows, val_rows = validation_rows()
     fit_prompts, val_prompts = {r["prompt"] for r in fit_rows}, {r["prompt"] for r in val_rows}

@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from classifier.outcomes import routing_metrics
-from classifier.validation import (
+from classifier.validation.families import (
     LENGTH,
     RANDOM,
     bootstrap_apgr,
@@ -18,6 +17,7 @@ from classifier.validation import (
     select_worst_family,
     worst_family,
 )
+from classifier.validation.outcomes import routing_metrics
 
 
 def _rows(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ Exam questions: the shipped score ranks multiple-choice exam questions by length
 code-symbols flag that fires on the parentheses, slashes and dollar signs of prose questions:
 within MMLU's ``other`` category that flag reorders prompts against their length and puts the
 score below the prompt-length baseline (held-out APGR 0.579 vs 0.609). ``OutcomeConfig.gate_flags``
-(:data:`~classifier.outcome_train.GATED_CONFIG`) gates the flag off on exam questions, so their
+(:data:`~classifier.training.outcome_train.GATED_CONFIG`) gates the flag off on exam questions, so their
 only varying column is the length. These tests pin that mechanism, in scikit-learn and in the
 ONNX graph, and keep the shipped artifact's known gap visible as a strict xfail.
 """
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from classifier.outcome_train import (
+from classifier.text import OUTCOME_GROUPS, model_text
+from classifier.training.outcome_train import (
     CODE_OVERRIDE,
     DOMAIN_GROUPS,
     FLAG_GROUPS_GATED,
@@ -34,7 +35,6 @@ from classifier.outcome_train import (
     fit_outcomes,
     outcome_proba,
 )
-from classifier.text import OUTCOME_GROUPS, model_text
 
 ROOT = Path(__file__).resolve().parents[2]
 MMLU = ROOT.parent / "shared/data/routing/mmlu_outcomes.jsonl.gz"
@@ -64,7 +64,7 @@ def _family_counts(
     flag_scope: tuple[str, int] | None = None,
 ) -> Any:
     """FamilyCounts as the outcome score builds it; the defaults are 3.1's features."""
-    from classifier.features import FamilyCounts
+    from classifier.training.features import FamilyCounts
 
     counts = FamilyCounts(
         OUTCOME_GROUPS,
@@ -88,8 +88,8 @@ def test_gated_exam_questions_differ_only_in_length_in_sklearn_and_onnx() -> Non
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import StringTensorType
 
-    from classifier.features import register_converters
-    from classifier.train import TARGET_OPSET
+    from classifier.training.features import register_converters
+    from classifier.training.train import TARGET_OPSET
 
     register_converters()
     texts = [model_text(_exam(q)) for q in SYMBOLIC + PLAIN]
@@ -156,8 +156,8 @@ def test_shipped_score_is_not_below_length_in_any_heldout_mmlu_category(shipped:
     """The acceptance check on the shipped artifact: per MMLU category of the held-out subjects,
     APGR >= prompt length - 0.01. Strict xfail while it fails, so shipping a fix makes it XPASS
     (and this marker must go)."""
-    from classifier.outcomes import heldout_subjects, load_outcomes
-    from classifier.validation import LENGTH, family_table
+    from classifier.validation.families import LENGTH, family_table
+    from classifier.validation.outcomes import heldout_subjects, load_outcomes
 
     mmlu = load_outcomes(MMLU)
     held = set(heldout_subjects([r["subject"] for r in mmlu]))

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from classifier.outcomes import load_outcomes
+from classifier.validation.outcomes import load_outcomes
 from router.pipeline.shadow import ShadowRecorder
 from router.policy.loader import parse_policy
 from tests.fixtures import tiny_policy_yaml

@@ -77,7 +77,7 @@ def test_no_file_in_tiers_is_over_its_size(path: Path) -> None:
     assert lines <= limit, f"{path.relative_to(TIERS)} has {lines} lines (at most {limit})"
 
 
-@pytest.mark.parametrize("package", ["router", "tiers"])
+@pytest.mark.parametrize("package", ["router", "tiers", "classifier"])
 def test_no_flat_package_holds_more_than_a_dozen_modules(package: str) -> None:
     """Catches a package flattening back into one room (``tiers/`` held 33 modules side by side)."""
     folders = {p.parent for p in (ROOT / package).rglob("*.py")}

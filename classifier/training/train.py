@@ -6,8 +6,9 @@ normalized text and its ask view; output ``probabilities`` [N, 3]) plus ``metada
 checks that onnxruntime reproduces scikit-learn's probabilities and reports metrics on the
 held-out split.
 
-Model selection (:mod:`classifier.selection`, ``python -m classifier.selection``) measures candidate
-configurations on a validation split carved from train.jsonl; classifier/README.md records it.
+Model selection (:mod:`classifier.training.selection`, ``python -m classifier.training.selection``)
+measures candidate configurations on a validation split carved from train.jsonl;
+classifier/README.md records it.
 Everything is deterministic given ``seed``: fixed, hash-based splits, deterministic solvers, and
 seeded cross-validation folds.
 """
@@ -29,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from classifier.data import HELDOUT_PATH, LABELS, TRAIN_PATH, load_jsonl
-from classifier.evaluate import evaluate
 from classifier.text import (
     ASK_TOKENS,
     COUNT_FEATURES,
@@ -39,6 +39,7 @@ from classifier.text import (
     WORD_TOKEN_PATTERN,
     model_views,
 )
+from classifier.validation.evaluate import evaluate
 
 __all__ = [
     "CANDIDATES",
@@ -119,7 +120,7 @@ def _features(config: Config) -> Any:
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from classifier.features import TokenCounts
+    from classifier.training.features import TokenCounts
 
     common = {
         "lowercase": False,
@@ -216,7 +217,7 @@ def fit(prompts: Sequence[str], labels: Sequence[str], config: Config = DEFAULT_
     from sklearn.calibration import CalibratedClassifierCV
     from sklearn.pipeline import Pipeline
 
-    from classifier.features import register_converters
+    from classifier.training.features import register_converters
 
     if set(labels) != set(LABELS):
         raise ValueError(f"training data must hold every label of {LABELS}, got {sorted(set(labels))}")
@@ -251,7 +252,7 @@ def convert_pipeline(pipeline: Any, name: str) -> Any:
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import StringTensorType
 
-    from classifier.features import register_converters
+    from classifier.training.features import register_converters
 
     register_converters()
     clf = pipeline.named_steps["classifier"]
@@ -271,7 +272,7 @@ def export_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -> Any:
     """Convert the fitted pipeline into one ONNX graph: ``text`` [N,2] -> ``probabilities`` [N,3]."""
     import onnx
 
-    from classifier.graph import optimize
+    from classifier.training.graph import optimize
 
     model = convert_pipeline(pipeline, "tiered-router-complexity")
     optimize(model)

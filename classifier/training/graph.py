@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from classifier.features import PAD
+from classifier.training.features import PAD
 
 __all__ = [
     "fix_tokenizer_pads",
@@ -21,7 +21,8 @@ __all__ = [
 
 
 def fix_tokenizer_pads(model: Any) -> Any:
-    """Give every Tokenizer node the pad value :data:`~classifier.features.PAD`, in place; returns ``model``.
+    """Give every Tokenizer node the pad value :data:`~classifier.training.features.PAD`, in place;
+    returns ``model``.
 
     skl2onnx picks the pad of a TF-IDF tokenizer as "#" unless "#" is in the vocabulary, but the
     Traceable vectorizers key their vocabulary by tuples, so the check never fires and a "#" token

@@ -1,6 +1,6 @@
 """Model selection: measure candidate configurations on a validation split carved from train.jsonl.
 
-``python -m classifier.selection [--seed N] [--only NAME ...]`` prints one JSON line per candidate
+``python -m classifier.training.selection [--seed N] [--only NAME ...]`` prints one JSON line per candidate
 and a Markdown table (the one in classifier/README.md). The held-out split is never touched here.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from classifier.data import LABELS, TRAIN_PATH, load_jsonl, stable_split
-from classifier.evaluate import classification_metrics
+from classifier.validation.evaluate import classification_metrics
 
 __all__ = ["compare", "markdown_table", "measure_candidate", "validation_metrics", "validation_rows"]
 
@@ -66,7 +66,7 @@ def measure_candidate(
     config: Any, fit_rows: Sequence[dict[str, Any]], val_rows: Sequence[dict[str, Any]], seed: int = 0
 ) -> dict[str, Any]:
     """Validation metrics, ONNX size and latency of one candidate configuration."""
-    from classifier.train import export_onnx, fit, predict_proba
+    from classifier.training.train import export_onnx, fit, predict_proba
 
     start = time.perf_counter()
     pipeline = fit([r["prompt"] for r in fit_rows], [r["label"] for r in fit_rows], config, seed)
@@ -120,7 +120,7 @@ def compare(
     data_path: str | Path = TRAIN_PATH, seed: int = 0, configs: Sequence[Any] | None = None
 ) -> Iterator[dict[str, Any]]:
     """Fit each candidate on train minus the validation split and measure it there (lazily)."""
-    from classifier.train import CANDIDATES
+    from classifier.training.train import CANDIDATES
 
     fit_rows, val_rows = validation_rows(data_path)
     for config in configs or list(CANDIDATES.values()):
@@ -145,9 +145,9 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from classifier.train import CANDIDATES
+    from classifier.training.train import CANDIDATES
 
-    parser = argparse.ArgumentParser(prog="python -m classifier.selection", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m classifier.training.selection", description=__doc__)
     parser.add_argument("--data", default=str(TRAIN_PATH))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

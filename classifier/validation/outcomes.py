@@ -14,7 +14,7 @@ lines (``.jsonl`` or ``.jsonl.gz``):
   RouteLLM's own evaluation drops them).
 
 Every row gets a ``family`` (its task family, for per-family and leave-one-family-out
-validation, :mod:`classifier.validation`): the row's own ``family``, else its ``source`` (with the
+validation, :mod:`classifier.validation.families`): the row's own ``family``, else its ``source`` (with the
 two HumanEval splits as one ``python`` family), else the MMLU category of its ``subject`` (STEM,
 humanities, social sciences, other, as Hendrycks et al. group them), else its ``subject``.
 

@@ -2,17 +2,17 @@
 
 ``train_outcomes()`` fits a logistic regression of ``gain = strong succeeded where weak did not``
 (the only case in which sending a prompt up buys quality) on outcome rows
-(:mod:`classifier.outcomes`); with pass rates (or judge scores) in [0, 1] the target is the
+(:mod:`classifier.validation.outcomes`); with pass rates (or judge scores) in [0, 1] the target is the
 probability of that event, ``strong * (1 - weak)``, fitted as two weighted rows. Features
 (``OutcomeConfig.features``):
 
-* ``"family"`` (shipped): :class:`~classifier.features.FamilyCounts`: log prompt length, the
+* ``"family"`` (shipped): :class:`~classifier.training.features.FamilyCounts`: log prompt length, the
   task family (the dominant domain cue: maths, code, reasoning, writing, role-play, chat; none on
   multiple-choice exam questions; code whenever code symbols and a code word, else maths whenever
   numbers and a maths word) one-hot, and two flags on exam questions (lettered options, code
   symbols). Inside a family only the length varies, so the score keeps the length signal there
   and the family columns learn the between-family priors;
-* ``"counts"`` (the previous artifact): :class:`~classifier.features.TokenCounts` over
+* ``"counts"`` (the previous artifact): :class:`~classifier.training.features.TokenCounts` over
   :data:`~classifier.text.OUTCOME_GROUPS`, log counts of length, structure and domain cues;
 * optionally a word TF-IDF (unigrams), strongly regularized.
 
@@ -45,14 +45,14 @@ from typing import Any
 import numpy as np
 
 from classifier.data import DATA_DIR, LABELS
-from classifier.outcomes import (
+from classifier.text import OUTCOME_GROUPS, WORD_TOKEN_PATTERN
+from classifier.validation.outcomes import (
     HELDOUT_SUBJECT_FRACTION,
     OutcomeRow,
     heldout_subjects,
     load_outcomes,
     routing_metrics,
 )
-from classifier.text import OUTCOME_GROUPS, WORD_TOKEN_PATTERN
 
 __all__ = [
     "DIFFICULTY_7B",
@@ -77,7 +77,7 @@ __all__ = [
 
 OUTCOME_VERSION = "3.2.0"
 # Where the outcome data lives in this workspace (read at training time, never copied here).
-SHARED_ROUTING = Path(__file__).resolve().parents[2] / "shared/data/routing"
+SHARED_ROUTING = Path(__file__).resolve().parents[3] / "shared/data/routing"
 MMLU_OUTCOMES = SHARED_ROUTING / "mmlu_outcomes.jsonl.gz"
 DIFFICULTY_7B = SHARED_ROUTING / "difficulty_7b.jsonl.gz"
 # The 7-8B pair the shipped score trains on: the base model against the strongest general
@@ -179,7 +179,7 @@ def _features(config: OutcomeConfig) -> Any:
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from classifier.features import FamilyCounts, TokenCounts
+    from classifier.training.features import FamilyCounts, TokenCounts
 
     gated = (*DOMAIN_GROUPS, *FLAG_GROUPS_GATED) if config.gate_flags else DOMAIN_GROUPS
     gating: dict[str, Any] = {"gate": "choices", "gated": gated, "gate_at": 3} if config.gate_domain else {}
@@ -232,8 +232,8 @@ def fit_outcomes(
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
 
-    from classifier.features import register_converters
-    from classifier.train import model_rows
+    from classifier.training.features import register_converters
+    from classifier.training.train import model_rows
 
     target = outcome_targets(rows)
     if not (target.max() > 0.0 and target.min() < 1.0):
@@ -257,7 +257,7 @@ def fit_outcomes(
 
 def outcome_proba(pipeline: Any, prompts: Sequence[str]) -> np.ndarray:
     """scikit-learn P(gain) per prompt (the reference the ONNX graph must match)."""
-    from classifier.train import model_rows
+    from classifier.training.train import model_rows
 
     return np.asarray(pipeline.predict_proba(model_rows(prompts)))[:, 1]
 
@@ -314,8 +314,8 @@ def export_outcome_onnx(pipeline: Any, metadata: dict[str, str] | None = None) -
     """One graph: ``text`` [N, 2] -> ``probabilities`` [N, 3] (small, medium, large)."""
     import onnx
 
-    from classifier.graph import optimize
-    from classifier.train import IR_VERSION, convert_pipeline
+    from classifier.training.graph import optimize
+    from classifier.training.train import IR_VERSION, convert_pipeline
 
     model = convert_pipeline(pipeline, "tiered-router-routing-score")
     _append_tier_head(model)
@@ -357,7 +357,7 @@ def _prune(model: Any) -> None:
 def _onnx_value(model: Any, prompts: Sequence[str]) -> np.ndarray:
     import onnxruntime as ort
 
-    from classifier.train import model_rows
+    from classifier.training.train import model_rows
 
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     probs = np.asarray(session.run(["probabilities"], {"text": model_rows(prompts)})[0], dtype=np.float64)
@@ -435,7 +435,7 @@ def train_outcomes(
     import skl2onnx
     import sklearn
 
-    from classifier.train import numerics_host
+    from classifier.training.train import numerics_host
 
     outcomes_path, out = Path(outcomes_path), Path(out_dir)
     rows, weights, held, dropped = training_rows(

@@ -117,7 +117,7 @@ def evaluate_outcomes(
     draws: int = 200,
     lofo: Any = None,
 ) -> dict[str, Any]:
-    """RouteLLM's routing metrics of ``value`` on an outcome file (:mod:`classifier.outcomes`).
+    """RouteLLM's routing metrics of ``value`` on an outcome file (:mod:`classifier.validation.outcomes`).
 
     ``subjects``: ``"heldout"`` scores only the subjects that outcome training keeps out (when
     rows carry subjects; every row otherwise), ``"all"`` every row. Baselines on the same rows:
@@ -127,13 +127,19 @@ def evaluate_outcomes(
     ``families``: APGR per task family (and pooled) of this model, of every ``compare`` model
     (e.g. the previous artifact, side by side), of prompt length and random, with ``draws``
     bootstrap intervals; ``worst_family``: where each model does worst against length/random.
-    ``lofo``, a ``fit_without(family)`` (:func:`classifier.outcome_train.lofo_fitter`: the
+    ``lofo``, a ``fit_without(family)`` (:func:`classifier.training.outcome_train.lofo_fitter`: the
     shipped training recipe), refits without each family and scores it: ``lofo.families`` (same
     table) and ``lofo.worst_family``. (Passed in, so evaluation never imports training.)
     """
     from classifier.inference import ComplexityClassifier
-    from classifier.outcomes import heldout_subjects, load_outcomes, plot_curves, random_apgr, routing_metrics
-    from classifier.validation import family_table, lofo_values, worst_family
+    from classifier.validation.families import family_table, lofo_values, worst_family
+    from classifier.validation.outcomes import (
+        heldout_subjects,
+        load_outcomes,
+        plot_curves,
+        random_apgr,
+        routing_metrics,
+    )
 
     if subjects not in ("heldout", "all"):
         raise ValueError(f"subjects must be 'heldout' or 'all', not {subjects!r}")

@@ -7,7 +7,7 @@ refits a training recipe without each family to score that family (leave-one-fam
 the honest estimate for a family the score has never seen. Model selection reads the **worst**
 family (:func:`worst_family`), not the mean.
 
-Families come from :func:`classifier.outcomes.family_of` (a row's ``family``, its ``source``, or
+Families come from :func:`classifier.validation.outcomes.family_of` (a row's ``family``, its ``source``, or
 its MMLU subject's category).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from classifier.outcomes import OutcomeRow, random_apgr, routing_metrics
+from classifier.validation.outcomes import OutcomeRow, random_apgr, routing_metrics
 
 __all__ = [
     "LENGTH",

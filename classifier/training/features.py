@@ -1,7 +1,7 @@
 """Training-side feature extractors, and the ONNX converter for the one that skl2onnx lacks.
 
-Imported by :mod:`classifier.train` only: it needs scikit-learn and skl2onnx, which serving does
-not. The features (assembled in :func:`classifier.train._features`) are all computed inside the
+Imported by :mod:`classifier.training.train` only: it needs scikit-learn and skl2onnx, which serving does
+not. The features (assembled in :func:`classifier.training.train._features`) are all computed inside the
 single exported ONNX graph from the two normalized views of :func:`classifier.text.model_views`:
 
 * word TF-IDF (binary TF, unigrams + bigrams) of the full text and, separately, of the ask view,
