@@ -69,7 +69,7 @@ def test_value_is_the_learned_probability(trained: tuple[Path, dict], synthetic:
 
 
 def test_graph_matches_scikit_learn(synthetic: Path) -> None:
-    from classifier.training.outcome_train import _onnx_value, export_outcome_onnx
+    from classifier.training.outcome_onnx import export_outcome_onnx, onnx_masses
 
     rows = load_outcomes(synthetic)
     pipeline = fit_outcomes(rows)
@@ -86,7 +86,7 @@ def test_graph_matches_scikit_learn(synthetic: Path) -> None:
         + [r["prompt"] for r in rows[:50]]
     )
     np.testing.assert_allclose(
-        _onnx_value(model, probes), tier_masses(outcome_proba(pipeline, probes)), atol=1e-5
+        onnx_masses(model, probes), tier_masses(outcome_proba(pipeline, probes)), atol=1e-5
     )
     ops = [n.op_type for n in model.graph.node]
     # The unused label output was pruned (its ArgMax over the two classes); the one ArgMax left
