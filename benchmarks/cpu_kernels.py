@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     from tiers.kernels import cpu as cpu_kernels
-    from tiers.layers.quantization.quant import TILED_INT4_MIN_ROWS
+    from tiers.layers.quantization.int4 import TILED_INT4_MIN_ROWS
     from tiers.worker.device import DeviceWorker
 
     if kernels_missing(cpu_kernels.int4_mm_op()):

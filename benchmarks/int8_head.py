@@ -103,7 +103,7 @@ def _steps(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]
 def _head_alone(runners: dict[str, Any], repeats: int) -> dict[str, dict[str, float]]:
     import torch
 
-    from tiers.layers.quantization.quant import Int8WeightOnlyLinear
+    from tiers.layers.quantization.int8 import Int8WeightOnlyLinear
 
     # A second copy of the head: alternating between them, every call reads from memory.
     default = runners[VARIANTS[2]].model.get_output_embeddings()

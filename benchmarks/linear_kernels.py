@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import plot_path, write_json
 from tiers.layers.fp32_packed import PackedFp32Linear, fp32_gemm_backend
-from tiers.layers.quantization.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tiers.layers.quantization.int4 import Int4WeightOnlyLinear
+from tiers.layers.quantization.int8 import Int8WeightOnlyLinear
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 4, 8, 16, 80)

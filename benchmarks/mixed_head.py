@@ -1,7 +1,7 @@
 """The medium tier's output head at four precisions, beside the small tier, in one process.
 
 The default policy's medium tier (int4 in groups of 32, W4A8) built with an int8 head (W8A8), with
-the mixed head of the default (``tiers.layers.quantization.quant.MixedHead``: the first 16,384 token ids
+the mixed head of the default (``tiers.layers.quantization.mixed_head.MixedHead``: the first 16,384 token ids
 int8, the rest
 int4), with 8,192 int8 rows, and with an all-int4 head; and the small tier (int4 g64 body and head)
 that a medium step is compared with. Measured, interleaved, on the device thread:

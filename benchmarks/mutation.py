@@ -46,7 +46,7 @@ MODULES: dict[str, list[str]] = {
         "tests/tiers/core/sched/test_scheduler_output.py",
         "tests/tiers/core/sched/test_scheduler_edges.py",
     ],
-    "tiers/spec_decode/speculative.py": [
+    "tiers/spec_decode/controller.py": [
         "tests/tiers/spec_decode/test_speculative.py",
         "tests/tiers/spec_decode/test_speculative_rule.py",
         "tests/tiers/sample/test_sampling_speculative.py",
@@ -54,6 +54,13 @@ MODULES: dict[str, list[str]] = {
         "-k",
         "accept_batch or controller or ngram_proposer or k_not_in_use"
         " or speculative_rule or sampling_speculative",
+    ],
+    "tiers/sample/rejection.py": [
+        "tests/tiers/spec_decode/test_speculative_rule.py",
+        "tests/tiers/sample/test_sampling_speculative.py",
+        "tests/tiers/spec_decode/test_speculative.py",
+        "-k",
+        "accept_batch or speculative_rule or sampling_speculative",
     ],
     "tiers/spec_decode/ngram.py": [
         "tests/tiers/spec_decode/test_speculative.py",
@@ -63,6 +70,14 @@ MODULES: dict[str, list[str]] = {
         "ngram or speculative_rule",
     ],
     "tiers/sample/sampler.py": [
+        "tests/tiers/sample/test_sampling.py",
+        "tests/tiers/sample/test_sampling_speculative.py",
+    ],
+    "tiers/sample/logits_processors.py": [
+        "tests/tiers/sample/test_sampling.py",
+        "tests/tiers/sample/test_sampling_speculative.py",
+    ],
+    "tiers/sample/logprobs.py": [
         "tests/tiers/sample/test_sampling.py",
         "tests/tiers/sample/test_sampling_speculative.py",
     ],
@@ -476,7 +491,7 @@ EQUIVALENT_SCHEDULER: list[tuple[str, str, str]] = [
         "n > 1 means the sequence is more than one token behind, not decoding: _spec_wanted returns 0",
     ),
 ]
-_SP = "tiers/spec_decode/speculative.py"
+_SP = "tiers/spec_decode/controller.py"
 _NG = "tiers/spec_decode/ngram.py"
 _KNOT = "at a knot both neighbouring segments give the knot's own value"
 _DISTINCT = "the points' x are distinct (dict keys, a set of batch sizes): x1 != x0 always"

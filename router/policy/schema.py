@@ -66,12 +66,12 @@ class TierConfig:
     """int4 with ``quantize_head``: the vocabulary's first N rows of the head stay int8 (a BPE
     vocabulary's low ids are its frequent tokens), the rest int4; a multiple of 64. The default
     medium tier keeps 16,384: the int8 head's greedy agreement at two thirds of its bytes
-    (``tiers.layers.quantization.quant.MixedHead``)."""
+    (``tiers.layers.quantization.mixed_head.MixedHead``)."""
     activation_quantization: Literal["none", "int8"] = "none"
     """int4: ``int8`` quantizes each row's activations to int8 per weight group at run time (W4A8,
     llama.cpp's Q8 activations) and runs integer dot products: ~2.5x faster int4 projections on
     the CPU, with W4A8 numbers rather than the bf16 ones; an int8 head (``quantize_head: false``)
-    then takes int8 activations too (W8A8, ``tiers.layers.quantization.quant.Int8WeightOnlyLinear``).
+    then takes int8 activations too (W8A8, ``tiers.layers.quantization.int8.Int8WeightOnlyLinear``).
     ``none``: bf16
     activations."""
     device: str = "auto"

@@ -101,7 +101,7 @@ async def test_int8_activations_are_their_own_model_and_answer(
     same weights quantized once per numerics - sharing one would serve one tier the other's), and
     the W4A8 tier answers through its engine."""
     from tiers.core.sequence import SamplingParams
-    from tiers.layers.quantization.quant import Int4WeightOnlyLinear
+    from tiers.layers.quantization.int4 import Int4WeightOnlyLinear
 
     policy = parse_policy(f"""
 version: 1

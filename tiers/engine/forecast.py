@@ -11,7 +11,7 @@ from tiers.core.sched.pacing import Backlog, Pace, Reused, predict_wait
 from tiers.core.sched.scheduler import Scheduler
 from tiers.engine.intake import Intake
 from tiers.engine.request import EngineFullError, EngineLoad
-from tiers.spec_decode.speculative import SpecController
+from tiers.spec_decode.controller import SpecController
 
 __all__ = ["Forecast"]
 

@@ -1,13 +1,12 @@
 """A tier's engine: ``schedule -> run -> update`` over a continuous batch, one ``step()`` at a time.
 
-Steps run on the ``DeviceWorker`` thread (see ``device.py`` for why there is exactly one).
-Requests arrive from asyncio through ``submit`` (thread-safe, ``intake.py``) and get a
-``RequestHandle`` whose async iterator yields ``StepOutput``s as tokens are produced.
+Steps run on the one ``DeviceWorker`` thread (``worker/device.py`` says why one); requests arrive
+through ``submit`` (thread-safe, ``intake.py``), their ``RequestHandle`` yields ``StepOutput``s.
 
 One step: the scheduler hands out each sequence's tokens under one token budget (decodes, prefill
 chunks and speculative lookahead together, ``scheduler.py``); the proposer drafts for the rows that
 speculate (``proposers.py``); one target forward runs every row; one vectorised pass processes
-logits, samples and applies the acceptance rule (``sampling.sample_rows``); the scheduler alone
+logits, samples and applies the acceptance rule (``sampler.sample_rows``); the scheduler alone
 then writes the outcome into the sequences (``Scheduler.update_from_output``) and each row's new
 tokens go out (``postprocess.py``). A step that raises fails only its culprit (``isolation.py``).
 """
@@ -32,9 +31,10 @@ from tiers.engine.isolation import run_isolated
 from tiers.engine.postprocess import Postprocessor
 from tiers.engine.request import EngineFullError, EngineLoad, EngineObserver, RequestHandle, Tracked, push_all
 from tiers.engine.warmup import warm_up
-from tiers.sample.sampler import sample_rows, split_prompt_logprobs
+from tiers.sample.logprobs import split_prompt_logprobs
+from tiers.sample.sampler import sample_rows
+from tiers.spec_decode.controller import SpecController, spec_budget
 from tiers.spec_decode.proposers import DraftSource, Proposal, make_proposer
-from tiers.spec_decode.speculative import SpecController, spec_budget
 from tiers.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:

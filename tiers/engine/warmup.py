@@ -1,6 +1,6 @@
 """An engine's warm-up: one real forward per model (the readiness bar), then a timing profile
 that seeds the predicted wait (``pacing.Pace``) and the speculative cost model
-(``speculative.SpecController``) at batch sizes 1, 2, 4... and ``max_num_seqs``. Runs before the
+(``controller.SpecController``) at batch sizes 1, 2, 4... and ``max_num_seqs``. Runs before the
 engine's loop starts; its blocks are returned unnamed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from tiers.core.sched.batch import SchedulerConfig
 from tiers.core.sched.pacing import Pace
-from tiers.spec_decode.speculative import SpecController, fastest
+from tiers.spec_decode.controller import SpecController, fastest
 from tiers.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ replaces only on the fast path's short-query groups) and ``tiered_router::rope_k
 (rope_kv.cpp: q/k rotary embedding plus the layer's K/V write, bitwise the torch ops),
 ``tiered_router::f32_linear`` (f32_gemv.cpp: the fp32 tier's one- and two-row projections) and
 ``tiered_router::w4a8_mm`` (w4a8_mm.cpp: int4 weights times per-group int8 activations, integer dot
-products; bitwise ``tiers.layers.quantization.quant.w4a8_reference``, for tiers with
+products; bitwise ``tiers.layers.quantization.int4.w4a8_reference``, for tiers with
 ``activation_quantization: int8``)
 and ``tiered_router::w8_linear`` (w8_linear.cpp: int8 weights times bf16 activations, the int8
 layers' and int8 output heads' projections at every row count).
@@ -73,9 +73,9 @@ torch's AVX512 and AVX2 builds; compiling for the same instruction set keeps the
 
 @functools.cache
 def cpu_is_intel() -> bool:
-    """Whether this host's CPU is Intel's: some kernel choices (``quant.py``) were measured to flip
-    with the vendor (MKL's dispatch, FMA throughput), and are fixed per vendor, not timed at each
-    start."""
+    """Whether this host's CPU is Intel's: some kernel choices (``layers/quantization/int4.py``)
+    were measured to flip with the vendor (MKL's dispatch, FMA throughput), and are fixed per
+    vendor, not timed at each start."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
@@ -200,8 +200,8 @@ def f32_linear_op() -> Any | None:
 
 def w4a8_mm_op() -> Any | None:
     """``torch.ops.tiered_router.w4a8_mm(a, w, group_size, scales_and_zeros)``: int4 weights in
-    ``tiers.layers.quantization.quant.pack_w4a8``'s layout times bf16 activations quantized to int8 per group
-    (w4a8_mm.cpp; bitwise ``tiers.layers.quantization.quant.w4a8_reference``), when built and applicable
+    ``tiers.layers.quantization.int4.pack_w4a8``'s layout times bf16 activations quantized to int8 per group
+    (w4a8_mm.cpp; bitwise ``tiers.layers.quantization.int4.w4a8_reference``), when built and applicable
     here, else
     ``None``."""
     return torch.ops.tiered_router.w4a8_mm if _library_loaded() else None
@@ -217,9 +217,9 @@ def w8_linear_op() -> Any | None:
 
 def w8a8_linear_op() -> Any | None:
     """``torch.ops.tiered_router.w8a8_linear(a, w, group_size, scale)``: int8 weights in
-    ``tiers.layers.quantization.quant.pack_w8a8``'s layout with one fp32 scale per output channel times bf16
+    ``tiers.layers.quantization.int8.pack_w8a8``'s layout with one fp32 scale per output channel times bf16
     activations quantized to int8 per group (w8a8_linear.cpp; bitwise
-    ``tiers.layers.quantization.quant.w8a8_reference``),
+    ``tiers.layers.quantization.int8.w8a8_reference``),
     when built and applicable here, else ``None``."""
     return torch.ops.tiered_router.w8a8_linear if _library_loaded() else None
 

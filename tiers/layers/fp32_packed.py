@@ -216,8 +216,8 @@ def is_batch_invariant(mod: PackedFp32Linear) -> bool:
 
 
 def direct_call(mod: PackedFp32Linear) -> Any:
-    """``mod``'s kernel as one call on 2-D fp32 activations (``quant.direct_kernel``): the same op on
-    the same tensors as ``forward``, so bitwise the module's, without its reshapes."""
+    """``mod``'s kernel as one call on 2-D fp32 activations (``quantization.rewrite.direct_kernel``):
+    the same op on the same tensors as ``forward``, so bitwise the module's, without its reshapes."""
     packed, weight, bias = mod.weight_packed, mod.weight.detach(), mod.bias
     if mod.backend == "kernel":
         kernel = _f32_gemv_op()

@@ -1,5 +1,6 @@
 """Fusing linears that read the same input (q/k/v, gate/up) into one call, in whatever format
-their weights are stored (``quant.py``): the fast path's per-layer projections (``fast_forward.py``)."""
+their weights are stored (``layers/quantization``): the fast path's per-layer projections
+(``models/llama.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch import nn
 
 from tiers.layers.fp32_packed import PackedFp32Linear
-from tiers.layers.quantization.quant import INT4_CPU_PACK_BLOCK, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tiers.layers.quantization.int4 import INT4_CPU_PACK_BLOCK, Int4WeightOnlyLinear
+from tiers.layers.quantization.int8 import Int8WeightOnlyLinear
 
 __all__ = ["FusedSlice", "fuse_linears"]
 

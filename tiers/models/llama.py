@@ -160,7 +160,7 @@ class FastDecoder:
         return fused, sizes
 
     def _fused_layer(self, layer: Any) -> tuple[Any, ...]:
-        from tiers.layers.quantization.quant import direct_kernel
+        from tiers.layers.quantization.rewrite import direct_kernel
 
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_sizes = self._fuse(attn, ("q_proj", "k_proj", "v_proj"))

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from tiers.layers.quantization.quant import QuantMethod
+    from tiers.layers.quantization.rewrite import QuantMethod
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -227,11 +227,11 @@ def load_model(
     """Load a tier's model at its operating point (device, dtype, weight quantization).
     ``batch_invariant``: an fp32 CPU model's packed linears give a row the same bits whatever the
     batch (``fp32_packed.PackedFp32Linear``). ``int8_head_rows``: an int4 head's first rows kept
-    int8 (``quant.MixedHead``)."""
+    int8 (``quantization.mixed_head.MixedHead``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiers.layers.quantization.quant import quantize_model
+    from tiers.layers.quantization.rewrite import quantize_model
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, quantization)

@@ -1,4 +1,4 @@
-"""Logit processing and token sampling, vectorised over every row of a step.
+"""Token sampling, vectorised over every row of a step: drafts, verification and plain decoding.
 
 Order (as vLLM and HF do it): penalties and ``logit_bias`` on raw logits -> grammar masks ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> softmax -> draw. Rows carry their own
@@ -18,103 +18,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiers.core.output import TokenLogprob
 from tiers.core.sched.batch import RowOutput
-from tiers.core.sequence import SamplingParams
-from tiers.spec_decode.speculative import accept_batch
+from tiers.sample.logits_processors import apply_logit_bias, apply_penalties, mask_row, probs_batch
+from tiers.sample.logprobs import token_logprob
+from tiers.sample.rejection import accept_batch
 
 if TYPE_CHECKING:
-    from tiers.core.constraint import TokenConstraint
     from tiers.core.sequence import Sequence
 
 __all__ = [
     "Draft",
     "StepTokens",
-    "apply_logit_bias",
-    "apply_penalties",
     "choose_tokens",
     "draw",
-    "mask_row",
-    "probs_batch",
     "propose_tokens",
     "sample_rows",
-    "split_prompt_logprobs",
     "target_logits",
-    "token_logprob",
 ]
-
-
-def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]
-) -> torch.Tensor:
-    """``logits: [n, V]`` for consecutive positions of one sequence; returns a penalized copy.
-
-    OpenAI presence/frequency penalties count *generated* tokens; the repetition penalty (CTRL,
-    as in HF and vLLM) covers prompt and output.
-    """
-    if not params.has_penalties:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[-1]
-    if params.presence_penalty or params.frequency_penalty:
-        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab].to(
-            logits.dtype
-        )
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        ids = torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long)
-        seen[ids[ids < vocab]] = True
-        penalized = torch.where(
-            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
-        )
-        logits = torch.where(seen, penalized, logits)
-    return logits
-
-
-def apply_logit_bias(logits: torch.Tensor, bias: Seq[tuple[int, float]]) -> None:
-    """OpenAI ``logit_bias``, in place on ``logits: [n, V]``; ids past the logits are ignored."""
-    vocab = logits.shape[-1]
-    ids = [t for t, _ in bias if 0 <= t < vocab]
-    if ids:
-        values = torch.tensor([b for t, b in bias if 0 <= t < vocab], dtype=logits.dtype)
-        logits[:, ids] += values
-
-
-def probs_batch(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-    """``logits: [M, V]``, one ``params`` per row -> the distribution each row draws from.
-
-    Greedy rows get a one-hot at the argmax, which keeps the speculative acceptance rule exact
-    for them too."""
-    vocab = logits.shape[1]
-    greedy = torch.tensor([p.is_greedy for p in params])
-    temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], dtype=logits.dtype)
-    x = logits / temps[:, None]
-    top_k = [p.top_k if 0 < p.top_k < vocab and not p.is_greedy else 0 for p in params]
-    top_p = [p.top_p if not p.is_greedy else 1.0 for p in params]
-    if any(top_k) or any(tp < 1.0 for tp in top_p):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
-        if any(top_k):
-            ks = torch.tensor([k or vocab for k in top_k])
-            drop |= torch.arange(vocab)[None, :] >= ks[:, None]
-        if any(tp < 1.0 for tp in top_p):
-            sorted_p = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Drop a token when the mass strictly before it already reaches top_p (the first stays);
-            # rows at top_p = 1 drop nothing (their cumulated mass can round to 1 before the tail).
-            tp = torch.tensor(top_p, dtype=x.dtype)[:, None]
-            drop |= ((sorted_p.cumsum(dim=-1) - sorted_p) >= tp) & (tp < 1.0)
-        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = x.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p if not p.is_greedy else 0.0 for p in params], dtype=probs.dtype)
-    if bool((min_p > 0).any()):
-        keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], onehot, probs)
-    return probs
 
 
 def draw(
@@ -157,23 +77,6 @@ class StepTokens:
     """Row r's positions are ``offsets[r]:offsets[r + 1]`` of ``logprobs``."""
     logprobs: torch.Tensor | None
     """``[M, V]`` log-softmax of the processed logits, when any row asked for logprobs."""
-
-
-def mask_row(
-    constraint: TokenConstraint | None, row: torch.Tensor, eos_ids: frozenset[int]
-) -> torch.Tensor | None:
-    """Apply a grammar to one logits row ``[V]`` in place; returns the mask (None: unconstrained).
-    A grammar that allows nothing leaves only end-of-sequence tokens."""
-    if constraint is None:
-        return None
-    mask = torch.zeros(row.shape[0], dtype=torch.bool)
-    constraint.fill_mask(mask)
-    if not bool(mask.any()):
-        for t in eos_ids:
-            if t < mask.shape[0]:
-                mask[t] = True
-    row.masked_fill_(~mask, float("-inf"))
-    return mask
 
 
 def propose_tokens(
@@ -347,38 +250,3 @@ def sample_rows(
             ]
         out[i] = RowOutput(tokens, len(d.tokens) if d is not None else 0, m, lps)
     return out
-
-
-def split_prompt_logprobs(
-    seqs: Seq[Sequence], logits: list[torch.Tensor | None], num_new_tokens: Seq[int]
-) -> dict[int, list[tuple[int, TokenLogprob]]]:
-    """Rows of requests that asked for prompt logprobs carry logits at every position of their
-    prompt chunk (``Proposal.target_rows``): each position's log-softmax gives the logprob of the
-    prompt token after it - the model's own distribution, before any sampling setting, as vLLM
-    reports prompt logprobs. Returns ``{seq_id: [(prompt position, logprob), ...]}`` and leaves
-    in ``logits`` what the sampler expects: the last position once the prompt is all fed, else
-    nothing."""
-    found: dict[int, list[tuple[int, TokenLogprob]]] = {}
-    for i, seq in enumerate(seqs):
-        raw = logits[i]
-        if raw is None or not seq.prompt_logprobs_pending:
-            continue
-        top = seq.params.prompt_logprobs or 0
-        start, n = seq.num_computed_tokens, num_new_tokens[i]
-        rows = torch.log_softmax(raw[:n].float(), dim=-1)
-        found[seq.seq_id] = [
-            (start + j + 1, token_logprob(rows[j], seq.token_ids[start + j + 1], top))
-            for j in range(n)
-            if start + j + 1 < seq.num_prompt_tokens
-        ]
-        logits[i] = raw[n - 1 : n] if start + n == seq.num_tokens else None
-    return found
-
-
-def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """``row``: log-softmax over the processed logits at one position ``[V]``."""
-    alternatives: list[tuple[int, float]] = []
-    if top:
-        values, ids = torch.topk(row, top)
-        alternatives = [(int(t), float(v)) for t, v in zip(ids, values, strict=True)]
-    return TokenLogprob(token, float(row[token]), alternatives)

@@ -1,7 +1,7 @@
 """Prompt-lookup drafting: the proposal is what followed the latest earlier occurrence of the
 sequence's last n tokens (vLLM's ``ngram`` speculative method, llama.cpp's lookup decoding).
 ``tiers.spec_decode.proposers.NgramDraft`` puts it behind the engine's proposer interface; the target verifies
-its proposal with ``tiers.spec_decode.speculative.accept_batch`` like a draft model's."""
+its proposal with ``tiers.sample.rejection.accept_batch`` like a draft model's."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from tiers.core.block_manager import BlockManager
 from tiers.core.sched.scheduler import ScheduledBatch
 from tiers.core.sequence import Sequence
 from tiers.sample.sampler import Draft, propose_tokens
+from tiers.spec_decode.controller import SpecController, fastest
 from tiers.spec_decode.ngram import NgramProposer
-from tiers.spec_decode.speculative import SpecController, fastest
 from tiers.worker.model_runner import ModelRunner, RowInput
 
 __all__ = ["DraftSource", "ModelDraft", "NgramDraft", "Proposal", "Proposer", "make_proposer"]

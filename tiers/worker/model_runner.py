@@ -13,7 +13,7 @@ there would still poison ``softmax(QK) @ V`` (0 x NaN = NaN).
 
 A forward takes rows of ``(block table, start position, tokens)``. Two paths:
 
-- Llama-family models (``fast_forward.py``): all rows' tokens flattened into one ``[N, hidden]``
+- Llama-family models (``models/llama.py``): all rows' tokens flattened into one ``[N, hidden]``
   stream, so the projections and MLP see no padding; attention runs once per group of rows with
   the same query length over K/V gathered from their blocks, GQA folded into the query axis.
 - Any other HF decoder: a padded ``[B, T]`` forward through HF's own modules with a duck-typed

@@ -38,7 +38,7 @@ from tiers.core.sequence import SamplingParams
 from tiers.engine.llm_engine import Engine
 from tiers.kernels import cpu as cpu_kernels
 from tiers.layers import fp32_packed
-from tiers.layers.quantization import quant
+from tiers.layers.quantization import int4, mixed_head
 from tiers.models import llama as fast_forward
 from tiers.models.loading import load_model
 from tiers.spec_decode.ngram import NgramProposer
@@ -137,16 +137,16 @@ def one_attention_kernel(
 def _force_gemm(path: str, monkeypatch: pytest.MonkeyPatch) -> list[int] | None:
     """Force ``path``'s GEMM; returns the count of its custom kernel's calls where it has one."""
     if path == "int4-torch":
-        monkeypatch.setattr(quant, "TILED_INT4_MIN_ROWS", 1 << 30)
+        monkeypatch.setattr(int4, "TILED_INT4_MIN_ROWS", 1 << 30)
     elif path == "int4-tiled":
         if cpu_kernels.int4_mm_op() is None:
             pytest.skip("the tiled int4 kernel is not built on this host")
-        monkeypatch.setattr(quant, "TILED_INT4_MIN_ROWS", 1)
-        return _counting(monkeypatch, quant, "_tiled_int4_op")
+        monkeypatch.setattr(int4, "TILED_INT4_MIN_ROWS", 1)
+        return _counting(monkeypatch, int4, "_tiled_int4_op")
     elif path == "w4a8":
         if cpu_kernels.w4a8_mm_op() is None:
             pytest.skip("the W4A8 kernel is not built on this host")
-        return _counting(monkeypatch, quant, "_w4a8_op")
+        return _counting(monkeypatch, int4, "_w4a8_op")
     elif path.startswith("fp32-"):
         preferred = path.removeprefix("fp32-")
         if not fp32_packed._supported(preferred):  # type: ignore[arg-type]
@@ -227,7 +227,7 @@ def _build_tiers(
         medium = _tier(
             model_dir, "int4", inv, group_size=32, int4_head=True, int8_head_rows=128, int8_activations=True
         )
-        assert isinstance(medium.lm_head, quant.MixedHead)
+        assert isinstance(medium.lm_head, mixed_head.MixedHead)
         large = _tier(model_dir, "none", inv)
         config = SchedulerConfig(
             max_num_seqs=16, max_model_len=256, max_num_batched_tokens=budget, max_waiting=64

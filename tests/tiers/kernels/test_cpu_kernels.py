@@ -17,8 +17,8 @@ from torch import nn
 
 from tiers.kernels import cpu as cpu_kernels
 from tiers.layers import fp32_packed
-from tiers.layers.quantization import quant
-from tiers.layers.quantization.quant import Int4WeightOnlyLinear
+from tiers.layers.quantization import int4, int8, rewrite
+from tiers.layers.quantization.int4 import Int4WeightOnlyLinear
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.host_isa() is None,
@@ -64,7 +64,7 @@ def test_shapes_it_cannot_take_are_refused_with_the_reason(op: object) -> None:
     lin = packed(48, 64, 32)
     with pytest.raises(RuntimeError, match="N=48 is not a multiple of"):
         op(torch.zeros(8, 64, dtype=torch.bfloat16), lin.weight_q, 32, lin.scales_and_zeros)  # type: ignore[operator]
-    assert quant._tiled_int4_op(48) is None  # so the layer keeps torch's kernel
+    assert int4._tiled_int4_op(48) is None  # so the layer keeps torch's kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -147,8 +147,8 @@ def test_int4_layers_switch_to_it_from_the_row_threshold_with_the_same_bits(
     """Through the module and the fast path's direct call: below the threshold torch's kernel
     runs, from it the tiled one does (profiled), and the outputs equal the torch-only path."""
     lin = packed(192, 128, 64)
-    direct = quant.direct_kernel(lin, torch.bfloat16)
-    rows = quant.TILED_INT4_MIN_ROWS
+    direct = rewrite.direct_kernel(lin, torch.bfloat16)
+    rows = int4.TILED_INT4_MIN_ROWS
     x_few, x_many = (torch.randn(r, 128).to(torch.bfloat16) for r in (rows - 1, rows + 11))
     with torch.no_grad():
         for fn in (lin, direct):
@@ -158,7 +158,7 @@ def test_int4_layers_switch_to_it_from_the_row_threshold_with_the_same_bits(
             assert "aten::_weight_int4pack_mm_for_cpu" in keys_few
             assert "tiered_router::int4_mm" in keys_many
         tiled_out = lin(x_many)
-        monkeypatch.setattr(quant, "_tiled_int4_op", lambda n: None)
+        monkeypatch.setattr(int4, "_tiled_int4_op", lambda n: None)
         keys = _profiled_keys(lambda: lin(x_many))
         assert "tiered_router::int4_mm" not in keys
         assert torch.equal(lin(x_many), tiled_out)
@@ -385,7 +385,7 @@ def test_fp32_layers_use_it_up_to_the_row_threshold(f32_linear: Any, monkeypatch
     limit = fp32_packed.F32_GEMV_MAX_ROWS
     torch.manual_seed(0)
     lin = fp32_packed.PackedFp32Linear(nn.Linear(256, 384), "onednn")
-    direct = quant.direct_kernel(lin, torch.float32)
+    direct = rewrite.direct_kernel(lin, torch.float32)
     for rows in (1, limit, limit + 1, 9):
         x = torch.randn(rows, 256)
         with torch.no_grad():
@@ -450,8 +450,8 @@ def test_w4a8_kernel_is_bitwise_the_torch_reference_at_every_row_count(
         monkeypatch.setenv("TIERED_ROUTER_NO_VNNI", "1")
     for m in (1, 2, 7, 8, 9, 16, 17, 33) if n < 10000 else (1, 16):
         x, q, sz = w4a8_case(n, k, group, m)
-        ref = quant.w4a8_reference(x, q, group, sz)
-        got = w4a8(x, quant.pack_w4a8(q), group, sz)
+        ref = int4.w4a8_reference(x, q, group, sz)
+        got = w4a8(x, int4.pack_w4a8(q), group, sz)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"m={m}"
 
@@ -466,19 +466,19 @@ def test_w4a8_one_row_sums_at_the_16_bit_bound_exactly(w4a8: Any, group: int) ->
     sz = torch.stack([torch.full((k // group, n), 0.01), torch.zeros(k // group, n)], -1).to(torch.bfloat16)
     x = torch.full((1, k), -3.0).to(torch.bfloat16)
     x[0, group:] = 2.5
-    ref = quant.w4a8_reference(x, q, group, sz)
-    got = w4a8(x, quant.pack_w4a8(q), group, sz)
+    ref = int4.w4a8_reference(x, q, group, sz)
+    got = w4a8(x, int4.pack_w4a8(q), group, sz)
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
 def test_w4a8_kernel_refuses_what_it_would_misread_with_the_reason(w4a8: Any) -> None:
     x, q, sz = w4a8_case(64, 96, 32, 2)
     with pytest.raises(RuntimeError, match="group_size 24 must divide K=96 and be a multiple of 16"):
-        w4a8(x, quant.pack_w4a8(q), 24, sz)
+        w4a8(x, int4.pack_w4a8(q), 24, sz)
     with pytest.raises(RuntimeError, match="W holds 64 inputs, A has 96"):
-        w4a8(x, quant.pack_w4a8(q[:, :64]), 32, sz)
+        w4a8(x, int4.pack_w4a8(q[:, :64]), 32, sz)
     with pytest.raises(RuntimeError, match="A must be 2-D bf16"):
-        w4a8(x.float(), quant.pack_w4a8(q), 32, sz)
+        w4a8(x.float(), int4.pack_w4a8(q), 32, sz)
 
 
 def test_w4a8_layers_run_the_kernel_and_equal_the_torch_path(
@@ -492,10 +492,10 @@ def test_w4a8_layers_run_the_kernel_and_equal_the_torch_path(
     assert lin._w4a8_packed and lin.weight_q.shape == (192 // 32, 256 // 4, 64)
     x = (torch.randn(5, 256) * 2).to(torch.bfloat16)
     with torch.no_grad():
-        for fn in (lin, quant.direct_kernel(lin, torch.bfloat16)):
+        for fn in (lin, rewrite.direct_kernel(lin, torch.bfloat16)):
             assert "tiered_router::w4a8_mm" in _profiled_keys(lambda fn=fn: fn(x))
         got = lin(x)
-        monkeypatch.setattr(quant, "_w4a8_op", lambda: None)
+        monkeypatch.setattr(int4, "_w4a8_op", lambda: None)
         plain = Int4WeightOnlyLinear(linear, 64, int8_activations=True)
         assert not plain._w4a8_packed and plain.weight_q.shape == (192, 256)
         assert "tiered_router::w4a8_mm" not in _profiled_keys(lambda: plain(x))
@@ -566,14 +566,14 @@ def test_int8_layers_run_the_kernel_and_agree_with_torchs(
     call: the kernel runs (profiled) and agrees with torch's ``_weight_int8pack_mm`` to one bf16
     rounding; without the build the layer falls back to torch's op."""
     torch.manual_seed(0)
-    lin = quant.Int8WeightOnlyLinear(nn.Linear(192, 320, bias=False))
+    lin = int8.Int8WeightOnlyLinear(nn.Linear(192, 320, bias=False))
     x = torch.randn(5, 192).to(torch.bfloat16)
     torch_y = torch._weight_int8pack_mm(x, lin.weight_q, lin.scale.to(torch.bfloat16)).double()
     with torch.no_grad():
-        for fn in (lin, quant.direct_kernel(lin, torch.bfloat16)):
+        for fn in (lin, rewrite.direct_kernel(lin, torch.bfloat16)):
             assert "tiered_router::w8_linear" in _profiled_keys(lambda fn=fn: fn(x))
             assert ((fn(x).double() - torch_y).abs() <= torch_y.abs() * 2.0**-7 + 1e-4).all()
-        monkeypatch.setattr(quant, "_w8_linear_op", lambda: None)
+        monkeypatch.setattr(int8, "_w8_linear_op", lambda: None)
         keys = _profiled_keys(lambda: lin(x))
         assert "tiered_router::w8_linear" not in keys and "aten::_weight_int8pack_mm" in keys
 

@@ -64,7 +64,7 @@ def test_direct_call_of_a_onednn_packed_linear_is_the_modules_op(bias: bool) -> 
     """The fast path calls oneDNN's packed GEMM without the module: catches a direct call that
     drops the bias, reads a stale or unpacked weight, or is silently the module's forward again
     (then the Python it exists to skip comes back)."""
-    from tiers.layers.quantization.quant import direct_kernel
+    from tiers.layers.quantization.rewrite import direct_kernel
 
     torch.manual_seed(0)
     packed = PackedFp32Linear(nn.Linear(256, 384, bias=bias), "onednn")
@@ -177,7 +177,7 @@ def test_the_last_resort_runs_the_gemv_at_every_row_count() -> None:
     """``kernel``: ``tiered_router::f32_linear`` for every row count, through the module and the
     fast path's direct call - batch-invariant bit for bit, within fp32 rounding of fp64, and no
     packed copy held. Catches a fallback that still routes some row counts to a library."""
-    from tiers.layers.quantization.quant import direct_kernel
+    from tiers.layers.quantization.rewrite import direct_kernel
 
     if not fp32_packed._supported("kernel"):
         pytest.skip("the CPU kernels are not built on this host")

@@ -162,7 +162,7 @@ async def test_w4a8_small_tier_is_coherent_batch_invariant_and_runs_the_kernel(
     give exactly their tokens alone - each row's activation scales are its own, so unlike a
     batched float GEMM nothing may differ with the batch."""
     from tiers.kernels import cpu as cpu_kernels
-    from tiers.layers.quantization import quant
+    from tiers.layers.quantization import int4
 
     op = cpu_kernels.w4a8_mm_op()
     if op is None:
@@ -173,7 +173,7 @@ async def test_w4a8_small_tier_is_coherent_batch_invariant_and_runs_the_kernel(
         calls[0] += 1
         return op(*args)
 
-    monkeypatch.setattr(quant, "_w4a8_op", lambda: counting)
+    monkeypatch.setattr(int4, "_w4a8_op", lambda: counting)
     small = build(worker, embedded_model_dir, "int4", group_size=64, int4_head=True, int8_activations=True)
     try:
         calls[0] = 0  # warm-up's forwards aside

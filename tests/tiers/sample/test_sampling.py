@@ -5,15 +5,8 @@ from __future__ import annotations
 import torch
 
 from tiers.core.sequence import SamplingParams, Sequence
-from tiers.sample.sampler import (
-    _stacked,
-    apply_logit_bias,
-    apply_penalties,
-    choose_tokens,
-    draw,
-    probs_batch,
-    target_logits,
-)
+from tiers.sample.logits_processors import apply_logit_bias, apply_penalties, probs_batch
+from tiers.sample.sampler import _stacked, choose_tokens, draw, target_logits
 
 
 def test_frequency_and_presence_penalties_follow_openai() -> None:

@@ -23,19 +23,16 @@ from scipy.stats import chisquare
 
 from tiers.core.output import TokenLogprob
 from tiers.core.sequence import SamplingParams, Sequence
+from tiers.sample.logits_processors import apply_logit_bias, apply_penalties, mask_row, probs_batch
+from tiers.sample.logprobs import token_logprob
 from tiers.sample.sampler import (
     Draft,
     _stacked,
-    apply_logit_bias,
-    apply_penalties,
     choose_tokens,
     draw,
-    mask_row,
-    probs_batch,
     propose_tokens,
     sample_rows,
     target_logits,
-    token_logprob,
 )
 
 V = 12

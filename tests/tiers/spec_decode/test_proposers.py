@@ -14,9 +14,9 @@ from tiers.core.sched.batch import ScheduledBatch
 from tiers.core.sequence import SamplingParams, Sequence
 from tiers.engine.llm_engine import Engine
 from tiers.sample.sampler import Draft
+from tiers.spec_decode.controller import SpecController
 from tiers.spec_decode.ngram import NgramProposer
 from tiers.spec_decode.proposers import NgramDraft
-from tiers.spec_decode.speculative import SpecController
 from tiers.worker.device import DeviceWorker
 from tiers.worker.model_runner import RowInput
 

@@ -13,8 +13,9 @@ from tests.fixtures import make_engine
 from tests.tiers.engine.test_engine import collect, greedy, prompts
 from tiers.core.sequence import SamplingParams
 from tiers.engine.llm_engine import Engine
+from tiers.sample.rejection import accept_batch
+from tiers.spec_decode.controller import EXPLORE_STEPS, SpecController
 from tiers.spec_decode.ngram import NgramProposer
-from tiers.spec_decode.speculative import EXPLORE_STEPS, SpecController, accept_batch
 from tiers.worker.device import DeviceWorker
 
 

@@ -1,6 +1,6 @@
 """The speculative controller without a model: its cost interpolation, its prices of a round, the
 k it chooses (the margins, exploration, the draft's backlog) and what it records - each against
-figures worked out by hand from the formulas in ``tiers/spec_decode/speculative.py``'s docstrings:
+figures worked out by hand from the formulas in ``tiers/spec_decode/controller.py``'s docstrings:
 
     tokens(k, a) = (1 - a**(k+1)) / (1 - a)        rate(k) = tokens / (target(k+1) + k * draft)
 
@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tiers.core.sequence import SamplingParams, Sequence
-from tiers.spec_decode.ngram import NgramProposer
-from tiers.spec_decode.speculative import (
+from tiers.spec_decode.controller import (
     CATCH_UP,
     EXPLORE_BUDGET,
     EXPLORE_STEPS,
@@ -26,6 +25,7 @@ from tiers.spec_decode.speculative import (
     fastest,
     spec_budget,
 )
+from tiers.spec_decode.ngram import NgramProposer
 
 
 def tokens(k: int, a: float) -> float:

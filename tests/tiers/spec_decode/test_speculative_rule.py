@@ -1,4 +1,4 @@
-"""``tiers/spec_decode/speculative.py`` without a model: the acceptance rule row by row against a plain-Python
+"""``tiers/spec_decode/controller.py`` without a model: the acceptance rule row by row against a plain-Python
 reference (given the same uniforms, the same accepted count and the same next law), and who may
 draft at all (``spec_budget``)."""
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tiers.core.sequence import SamplingParams, Sequence
+from tiers.sample.rejection import accept_batch
+from tiers.spec_decode.controller import spec_budget
 from tiers.spec_decode.ngram import NgramProposer
-from tiers.spec_decode.speculative import accept_batch, spec_budget
 
 
 def ref_accept(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tiers.core.sched.pacing import CORRECTION_MEMORY_S, Backlog, Pace, predict_wait, routing_cost
-from tiers.spec_decode.speculative import SpecController
+from tiers.spec_decode.controller import SpecController
 
 
 def pace(token_cost: float = 0.001, decode_cost: float = 0.02, max_num_seqs: int = 16) -> Pace:

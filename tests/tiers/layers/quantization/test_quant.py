@@ -9,12 +9,10 @@ import torch
 from torch import nn
 
 from tiers.layers.fp32_packed import PackedFp32Linear
-from tiers.layers.quantization.quant import (
-    Int4WeightOnlyLinear,
-    Int8WeightOnlyLinear,
-    MixedHead,
-    quantize_model,
-)
+from tiers.layers.quantization.int4 import Int4WeightOnlyLinear
+from tiers.layers.quantization.int8 import Int8WeightOnlyLinear
+from tiers.layers.quantization.mixed_head import MixedHead
+from tiers.layers.quantization.rewrite import quantize_model
 
 
 @pytest.fixture
@@ -140,7 +138,8 @@ def test_fused_projections_are_bitwise_equal_to_separate_ones(kind: str) -> None
     from torch import nn
 
     from tiers.layers.fusion import FusedSlice, fuse_linears
-    from tiers.layers.quantization.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from tiers.layers.quantization.int4 import Int4WeightOnlyLinear
+    from tiers.layers.quantization.int8 import Int8WeightOnlyLinear
 
     torch.manual_seed(0)
     make = {
@@ -208,7 +207,7 @@ def test_w4a8_reference_is_its_definition_and_close_to_the_dequantized_product()
     transcription of the definition, bit for bit: catches torch's ``127.0 / t`` (a reciprocal
     and a multiply, not a division), a dot product that is not exact, and the group order. Then
     against the bf16 path's dequantized weight in fp64: int8 activations stay within 2%."""
-    from tiers.layers.quantization.quant import w4a8_reference
+    from tiers.layers.quantization.int4 import w4a8_reference
 
     torch.manual_seed(0)
     for n, k, group, m in [(64, 128, 32, 3), (96, 256, 64, 5), (32, 256, 128, 2)]:

@@ -1,4 +1,4 @@
-"""W8A8: int8 weights x int8 activations (``tiered_router::w8a8_linear`` and ``quant.w8a8_reference``),
+"""W8A8: int8 weights x int8 activations (``tiered_router::w8a8_linear`` and ``int8.w8a8_reference``),
 the medium tier's output head beside its W4A8 layers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tiers.kernels import cpu as cpu_kernels
-from tiers.layers.quantization import quant
-from tiers.layers.quantization.quant import Int8WeightOnlyLinear
+from tiers.layers.quantization import int8, rewrite
+from tiers.layers.quantization.int8 import Int8WeightOnlyLinear
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def test_the_reference_is_its_definition_and_close_to_the_float_product() -> Non
     the result stays within activation-quantization error of the bf16 product (a wrong scale, a
     transposed weight or a group paired with the wrong scale would not)."""
     x, q, scale = case(128, 192, 64, 5)
-    got = quant.w8a8_reference(x, q, 64, scale)
-    xq, sa = quant.quantize_activations(x, 64)
+    got = int8.w8a8_reference(x, q, 64, scale)
+    xq, sa = int8.quantize_activations(x, 64)
     assert xq.abs().max() <= 127 and torch.equal(xq, xq.round())
     dots = torch.einsum("mgi,ngi->mgn", xq.long(), q.long().reshape(128, 3, 64))  # exact integers
     acc = torch.zeros(5, 128)
@@ -73,10 +73,10 @@ def test_the_kernel_is_bitwise_the_reference_at_every_row_count(
     invariance. Both integer paths of an AVX512 build: VNNI where the CPU has it, and maddubs."""
     if not vnni:
         monkeypatch.setenv("TIERED_ROUTER_NO_VNNI", "1")
-    packed = quant.pack_w8a8(q := case(n, k, group, 1)[1])
+    packed = int8.pack_w8a8(q := case(n, k, group, 1)[1])
     for m in (1, 2, 3, 4, 5, 9, 17) if n < 10000 else (1, 6):
         x, q, scale = case(n, k, group, m)
-        ref = quant.w8a8_reference(x, q, group, scale)
+        ref = int8.w8a8_reference(x, q, group, scale)
         got = w8a8(x, packed, group, scale)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"m={m}"
@@ -84,7 +84,7 @@ def test_the_kernel_is_bitwise_the_reference_at_every_row_count(
 
 def test_the_kernel_refuses_what_it_would_misread_with_the_reason(w8a8: Any) -> None:
     x, q, scale = case(64, 64, 32, 2)
-    packed = quant.pack_w8a8(q)
+    packed = int8.pack_w8a8(q)
     with pytest.raises(RuntimeError, match="A must be 2-D bf16"):
         w8a8(x.float(), packed, 32, scale)
     with pytest.raises(RuntimeError, match="multiple of 16"):
@@ -92,9 +92,7 @@ def test_the_kernel_refuses_what_it_would_misread_with_the_reason(w8a8: Any) -> 
     with pytest.raises(RuntimeError, match="scale must be fp32"):
         w8a8(x, packed, 32, scale.to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="not a multiple of 64"):
-        w8a8(
-            torch.zeros(1, 64, dtype=torch.bfloat16), quant.pack_w8a8(case(32, 64, 32, 1)[1]), 32, scale[:32]
-        )
+        w8a8(torch.zeros(1, 64, dtype=torch.bfloat16), int8.pack_w8a8(case(32, 64, 32, 1)[1]), 32, scale[:32])
 
 
 def test_a_w8a8_layer_runs_the_kernel_and_equals_the_layer_without_it(
@@ -116,12 +114,12 @@ def test_a_w8a8_layer_runs_the_kernel_and_equals_the_layer_without_it(
     assert lin.w8a8_packed is not None
     x = (torch.randn(3, 192) * 2).to(torch.bfloat16)
     with torch.no_grad():
-        direct = quant.direct_kernel(lin, torch.bfloat16)
+        direct = rewrite.direct_kernel(lin, torch.bfloat16)
         for fn in (lin, direct):
             assert ran(lambda fn=fn: fn(x))
         got = lin(x)
         assert torch.equal(direct(x).view(torch.int16), got.view(torch.int16))
-        monkeypatch.setattr(quant, "_w8a8_op", lambda: None)
+        monkeypatch.setattr(int8, "_w8a8_op", lambda: None)
         plain = Int8WeightOnlyLinear(linear, int8_activations=True, group_size=64)
         assert plain.w8a8_packed is None and not ran(lambda: plain(x))
         assert torch.equal(plain(x).view(torch.int16), got.view(torch.int16))
