@@ -60,9 +60,12 @@ from classifier.training.outcome_train import (
 from classifier.training.selection import LATENCY_PROMPT
 from classifier.validation.families import (
     LENGTH,
+    ORACLE,
     RANDOM,
     family_table,
     lofo_values,
+    mixed_family,
+    oracle_prior_length,
     paired_worst_margins,
     prompt_length,
     select_worst_family,
@@ -136,14 +139,23 @@ def selection(
     values: dict[str, dict[str, np.ndarray]],
     pooled_mmlu: dict[str, float],
     draws: int,
+    mixed: dict[str, dict[str, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """Worst LOFO family of each candidate over every set; the largest worst margin leads, candidates
+    """Worst of (mixed-family margin, per set, in-sample; worst LOFO family) of each candidate over every set; the largest worst margin leads, candidates
     within its paired bootstrap noise tie with it, and the tie goes to pooled held-out MMLU APGR."""
     worst = {}
     for name, per_set in tables.items():
-        families = [dict(worst_family(t, "value"), set=s) for s, t in per_set.items()]
-        worst[name] = min(families, key=lambda w: w["margin"])
+        checks = [dict(worst_family(t, "value"), set=s, check="within (LOFO)") for s, t in per_set.items()]
+        checks += [
+            dict(m, family="all", set=s, check="mixed")
+            for s, m in (mixed.get(name) or {}).items()
+            if m  # a set with one family has no mixed check
+        ]
+        worst[name] = min(checks, key=lambda w: w["margin"])
     margins = paired_worst_margins(sets, values, tables["shipped"], draws)
+    for name, w in worst.items():  # a mixed-family minimum is not resampled: its margin holds fixed
+        if w["check"] == "mixed":
+            margins[name] = np.minimum(margins[name], w["margin"])
     return select_worst_family(worst, margins, pooled_mmlu)
 
 
@@ -275,12 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "previous": outcome_proba(previous, prompts),
             "gated": outcome_proba(gated, prompts),
         }
-        shipped[name] = family_table(rows, routers, args.draws)
         correlation[name] = length_correlation(rows, routers)
+        shipped[name] = family_table(rows, {**routers, ORACLE: oracle_prior_length(rows)}, args.draws)
     runs = {name: lofo_tables(config, sets, args.draws) for name, config in CANDIDATES.items()}
     lofo = {name: tables for name, (tables, _) in runs.items()}
     held = shipped["mmlu held-out subjects"]["all"]
     pooled_mmlu = {name: held[ROUTER_OF[name]]["apgr"] for name in CANDIDATES}
+    mixed = {name: {s: mixed_family(t, ROUTER_OF[name]) for s, t in shipped.items()} for name in CANDIDATES}
     result: dict[str, Any] = {
         "data": {"mmlu": MMLU_OUTCOMES.name, "difficulty": DIFFICULTY_7B.name},
         "pairs": {"trained on": list(DIFFICULTY_PAIR), "second": list(SECOND_PAIR)},
@@ -288,7 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lofo": lofo["shipped"],
         "lofo_previous": lofo["previous"],
         "lofo_gated": lofo["gated"],
-        "selection": selection(sets, lofo, {n: v for n, (_, v) in runs.items()}, pooled_mmlu, args.draws),
+        "mixed_family": mixed,
+        "selection": selection(
+            sets, lofo, {n: v for n, (_, v) in runs.items()}, pooled_mmlu, args.draws, mixed
+        ),
         "length_spearman": correlation,
     }
     if not args.no_latency:
@@ -314,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"| {name} | {family} | {e['n']} | {e['gap']:+.3f} | {cell(e['value'])} | {cell(lo)} | "
                 f"{cell(e['gated'])} | {cell(glo)} | {cell(e[LENGTH])} | {e[RANDOM]['apgr']:.3f} |"
             )
-    print(f"selection (worst LOFO family): {result['selection']}")
+    print(f"mixed families (pooled, in-sample): {mixed}")
+    print(f"selection (worst of mixed and LOFO within-family): {result['selection']}")
     print(f"Spearman with length per family: {correlation}")
     if "grouped_cv" in result:
         print(f"MMLU grouped CV: {result['grouped_cv']}")

@@ -128,6 +128,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             )
             print("per family (95 % bootstrap intervals):")
             print(format_families(result["families"]))
+            print(f"mixed families (pooled): {result['mixed'].get('value')}")
+            print(f"selection (worst of mixed, within): {result['selection'].get('value')}")
             if "lofo" in result:
                 print("leave-one-family-out (recipe refitted without each family):")
                 print(format_families(result["lofo"]["families"]))

@@ -11,9 +11,8 @@ single exported ONNX graph from the two normalized views of :func:`classifier.te
   terms, and to scripts written without spaces;
 * :class:`TokenCounts`: log1p counts of tokens, lines, list items, numbers, questions, clauses,
   code symbols, quotes and constraint words. TF-IDF rows are L2-normalized and so forget how
-  *much* a prompt asks; these counts restore it. skl2onnx has no converter for such a
-  transformer, so :func:`register_converters` adds one built from onnxruntime's ``Tokenizer``
-  and ONNX's ``TfIdfVectorizer`` (in plain count mode) and ``MatMul``.
+  *much* a prompt asks; these counts restore it. :func:`register_converters` adds their converter
+  (onnxruntime's ``Tokenizer``, ONNX's ``TfIdfVectorizer`` in count mode, ``MatMul``).
 """
 
 from __future__ import annotations
@@ -206,6 +205,10 @@ class FamilyCounts(TokenCounts):
 
 
 def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
+    emit_family_counts(scope, operator, container, operator.outputs[0].full_name)
+
+
+def emit_family_counts(scope: Any, operator: Any, container: Any, output: str) -> None:
     from onnx import TensorProto
 
     name = scope.get_unique_variable_name
@@ -260,7 +263,7 @@ def _convert_family_counts(scope: Any, operator: Any, container: Any) -> None:
             inside = node("Cast", [at_least([flag_scope])], to=TensorProto.FLOAT)
             flag_cols = node("Mul", [flag_cols, inside])
         parts.append(flag_cols)
-    container.add_node("Concat", parts, operator.outputs[0].full_name, name=name("Concat"), axis=1)
+    container.add_node("Concat", parts, output, name=name("Concat"), axis=1)
 
 
 def _emit_char_count(scope: Any, operator: Any, container: Any) -> str:

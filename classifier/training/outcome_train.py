@@ -44,6 +44,7 @@ import numpy as np
 from classifier.data import DATA_DIR, LABELS
 from classifier.text import OUTCOME_GROUPS, WORD_TOKEN_PATTERN
 from classifier.training.outcome_onnx import export_outcome_onnx, onnx_masses, tier_masses
+from classifier.training.priors import LATEX_OVERRIDE
 from classifier.validation.outcomes import (
     HELDOUT_SUBJECT_FRACTION,
     OutcomeRow,
@@ -73,7 +74,7 @@ __all__ = [
     "train_outcomes",
 ]
 
-OUTCOME_VERSION = "3.2.0"
+OUTCOME_VERSION = "4.0.0"
 # Where the outcome data lives in this workspace (read at training time, never copied here).
 SHARED_ROUTING = Path(__file__).resolve().parents[3] / "shared/data/routing"
 MMLU_OUTCOMES = SHARED_ROUTING / "mmlu_outcomes.jsonl.gz"
@@ -117,7 +118,8 @@ FLAG_GROUPS_GATED: tuple[str, ...] = ("code_symbols",)
 class OutcomeConfig:
     name: str = "lr-family-stable"
     features: str = "family"
-    """``"family"``: length + task family (FamilyCounts); ``"counts"``: log counts (TokenCounts)."""
+    """``"prior"``: category prior + bounded within-category length (priors.PriorLength);
+    ``"family"``: length + task family (FamilyCounts); ``"counts"``: log counts (TokenCounts)."""
     c: float = 0.3
     """Inverse L2 strength of the logistic regression."""
     word_max_features: int = 0
@@ -138,13 +140,12 @@ class OutcomeConfig:
     flags: tuple[tuple[str, int], ...] = FAMILY_FLAGS
     """FamilyCounts' 0/1 columns ``(group, at least)``."""
     gate_flags: bool = False
-    """Gate the code-symbols count (and so its flag) off on multiple-choice questions too
-    (:data:`GATED_CONFIG`, measured, not shipped): there the only column left that varies is the
-    length, so an exam question's score is monotone in its length. The shipped score keeps the
-    flag there, where it fires on the parentheses, dollar signs and slashes of prose questions: a
-    between-category prior on pooled MMLU (held-out APGR 0.703; gated 0.657 = length) that puts
-    ``mmlu_other`` below prompt length inside the category (0.579 vs 0.609; gated 0.609).
-    benchmarks/routing_quality measures both per family, leave-one-family-out."""
+    """Gate the code-symbols count (and its flag) off on exam questions too (:data:`GATED_CONFIG`):
+    their only varying column is then the length (classifier/README.md, "Gated code-symbols flag")."""
+    bound: float = 1.0
+    """``"prior"`` features: the within-category length term's bound ``k`` (PriorLength)."""
+    per_category: bool = False
+    """``"prior"`` features: centre the length term on each category's median (PriorLength)."""
     length_unit: str = "chars"
     """FamilyCounts' length column: characters of the model text (the ``prompt length`` baseline's
     unit) or word tokens (the previous artifact). Characters route MMLU's held-out STEM subjects
@@ -159,14 +160,17 @@ class OutcomeConfig:
     10 % of GSM8K's word problems and 58 % of pre-algebra's."""
 
 
-OUTCOME_CONFIG = OutcomeConfig()
-# Earlier shipped configurations, kept for side-by-side runs: 3.1 (the code override alone, the
-# code-symbols flag on every prompt), 3.0 (3.1 with the length in word tokens) and 2.x (log
-# counts of domain cues, no 7-8B rows).
-PREVIOUS_CONFIG = OutcomeConfig(name="lr-family-length", overrides=(CODE_OVERRIDE,), flag_scope=None)
-TOKENS_CONFIG = dataclasses.replace(PREVIOUS_CONFIG, name="lr-family-tokens", length_unit="tokens")
-# Issue 32's candidate, measured beside the shipped score: the code-symbols flag gated off on
-# exam questions too (classifier/README.md, "Routing score", has the per-family table).
+# 3.2: length + task family (the previous artifact), kept for side-by-side runs; 3.1 and 3.0 before it.
+PREVIOUS_CONFIG = OutcomeConfig()
+# 4.0 (shipped, issue 56): category prior + bounded, centred within-category length, LaTeX as maths
+# of its own (classifier/training/priors.py).
+OUTCOME_CONFIG = OutcomeConfig(
+    name="lr-prior-within", features="prior", overrides=(CODE_OVERRIDE, LATEX_OVERRIDE, MATHS_OVERRIDE)
+)
+V31_CONFIG = OutcomeConfig(name="lr-family-length", overrides=(CODE_OVERRIDE,), flag_scope=None)
+TOKENS_CONFIG = dataclasses.replace(V31_CONFIG, name="lr-family-tokens", length_unit="tokens")
+# Issue 32's candidate, measured beside the shipped score: 3.2 with the code-symbols flag gated off
+# on exam questions too (classifier/README.md, "Routing score", has the per-family table).
 GATED_CONFIG = OutcomeConfig(name="lr-family-stable-gated", gate_flags=True)
 COUNTS_CONFIG = OutcomeConfig(name="lr-outcome-groups", features="counts")
 
@@ -178,19 +182,25 @@ def _features(config: OutcomeConfig) -> Any:
     from sklearn.preprocessing import StandardScaler
 
     from classifier.training.features import FamilyCounts, TokenCounts
+    from classifier.training.priors import CATEGORY_DOMAINS, CATEGORY_GROUPS, PriorLength
 
-    gated = (*DOMAIN_GROUPS, *FLAG_GROUPS_GATED) if config.gate_flags else DOMAIN_GROUPS
+    domains = CATEGORY_DOMAINS if config.features == "prior" else DOMAIN_GROUPS
+    gated = (*domains, *FLAG_GROUPS_GATED) if config.gate_flags else domains
     gating: dict[str, Any] = {"gate": "choices", "gated": gated, "gate_at": 3} if config.gate_domain else {}
-    if config.features == "family":
-        counts: Any = FamilyCounts(
-            OUTCOME_GROUPS,
-            domains=DOMAIN_GROUPS,
-            overrides=config.overrides,
-            flags=config.flags,
-            length_unit=config.length_unit,
-            flag_scope=config.flag_scope,
-            **gating,
+    family: dict[str, Any] = {
+        "domains": domains,
+        "overrides": config.overrides,
+        "flags": config.flags,
+        "length_unit": config.length_unit,
+        "flag_scope": config.flag_scope,
+        **gating,
+    }
+    if config.features == "prior":
+        counts: Any = PriorLength(
+            CATEGORY_GROUPS, bound=config.bound, per_category=config.per_category, **family
         )
+    elif config.features == "family":
+        counts = FamilyCounts(OUTCOME_GROUPS, **family)
     elif config.features == "counts":
         counts = TokenCounts(OUTCOME_GROUPS, **gating)
     else:
@@ -230,7 +240,7 @@ def fit_outcomes(
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
 
-    from classifier.training.features import register_converters
+    from classifier.training.priors import register_prior_converter
     from classifier.training.train import model_rows
 
     target = outcome_targets(rows)
@@ -238,7 +248,7 @@ def fit_outcomes(
         raise ValueError(
             "outcome rows must include prompts where the strong tier helped and where it did not"
         )
-    register_converters()
+    register_prior_converter()
     features = _features(config)
     x = features.fit_transform(model_rows([r["prompt"] for r in rows]))
     base = np.ones(len(rows)) if weights is None else np.asarray(weights, dtype=np.float64)
@@ -331,6 +341,8 @@ def train_outcomes(
     import skl2onnx
     import sklearn
 
+    from classifier.training.priors import CATEGORY_GROUPS as groups
+    from classifier.training.priors import prior_metadata
     from classifier.training.train import numerics_host
 
     outcomes_path, out = Path(outcomes_path), Path(out_dir)
@@ -386,7 +398,10 @@ def train_outcomes(
         },
         "config": dataclasses.asdict(config),
         "features": {
-            "count_groups": {k: list(v) for k, v in OUTCOME_GROUPS},
+            "count_groups": {
+                k: list(v) for k, v in (groups if config.features == "prior" else OUTCOME_GROUPS)
+            },
+            **prior_metadata(pipeline),
             "word_tfidf": config.word_max_features,
         },
         "weights": {

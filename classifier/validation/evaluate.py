@@ -126,13 +126,24 @@ def evaluate_outcomes(
 
     ``families``: APGR per task family (and pooled) of this model, of every ``compare`` model
     (e.g. the previous artifact, side by side), of prompt length and random, with ``draws``
-    bootstrap intervals; ``worst_family``: where each model does worst against length/random.
+    bootstrap intervals, beside the oracle prior + length (:func:`oracle_prior_length`);
+    ``worst_family``: where each model does worst against length/random; ``mixed``: the pooled
+    families (the prior must order them) against length, random and the oracle; ``selection``:
+    the worst of the mixed and the worst within-family margin (what model selection ranks).
     ``lofo``, a ``fit_without(family)`` (:func:`classifier.training.outcome_train.lofo_fitter`: the
     shipped training recipe), refits without each family and scores it: ``lofo.families`` (same
     table) and ``lofo.worst_family``. (Passed in, so evaluation never imports training.)
     """
     from classifier.inference import ComplexityClassifier
-    from classifier.validation.families import family_table, lofo_values, worst_family
+    from classifier.validation.families import (
+        ORACLE,
+        family_table,
+        lofo_values,
+        mixed_family,
+        oracle_prior_length,
+        selection_margin,
+        worst_family,
+    )
     from classifier.validation.outcomes import (
         heldout_subjects,
         load_outcomes,
@@ -165,8 +176,12 @@ def evaluate_outcomes(
         routers[f"value ({Path(other).name or other})"] = [
             s.value for s in ComplexityClassifier.load(other).score_batch(prompts)
         ]
+    models = list(routers)
+    routers[ORACLE] = oracle_prior_length(rows)
     result["families"] = family_table(rows, routers, draws)
-    result["worst_family"] = {name: worst_family(result["families"], name) for name in routers}
+    result["worst_family"] = {name: worst_family(result["families"], name) for name in models}
+    result["mixed"] = {name: mixed_family(result["families"], name) for name in models}
+    result["selection"] = {name: selection_margin({"this": result["families"]}, name) for name in models}
     if lofo is not None:
         held_out = lofo_values(rows, lofo)
         # No pooled row: each family is scored by another refit; their scores share no scale.

@@ -23,18 +23,23 @@ from classifier.validation.outcomes import OutcomeRow, random_apgr, routing_metr
 
 __all__ = [
     "LENGTH",
+    "ORACLE",
     "RANDOM",
     "bootstrap_apgr",
     "family_table",
     "lofo_values",
+    "mixed_family",
+    "oracle_prior_length",
     "paired_worst_margins",
     "prompt_length",
     "select_worst_family",
+    "selection_margin",
     "worst_family",
 ]
 
 LENGTH = "prompt length"
 RANDOM = "random"
+ORACLE = "oracle (family gap + length)"
 # A family whose weak and strong models differ by less than this has no gap to recover: its
 # APGR divides by ~0 and says nothing, so it is reported but not judged.
 MIN_GAP = 0.02
@@ -233,3 +238,55 @@ def lofo_values(
         scorer = fit_without(family)
         values[idx] = scorer([rows[i]["prompt"] for i in idx])
     return values
+
+
+def oracle_prior_length(rows: Sequence[OutcomeRow]) -> np.ndarray:
+    """The mixed-family reference (issue 56): each family's mean gap (strong - weak) as its prior,
+    prompt length's rank inside the family below it. Not a router (it reads the outcomes), the
+    ceiling that a category prior plus within-family length can reach on pooled families."""
+    family = np.array([r["family"] for r in rows])
+    gain = np.array([r["strong"] - r["weak"] for r in rows], dtype=np.float64)
+    length = prompt_length(rows)
+    out = np.zeros(len(rows), dtype=np.float64)
+    for fam in sorted(set(family.tolist())):
+        idx = np.flatnonzero(family == fam)
+        rank = np.argsort(np.argsort(length[idx], kind="stable"), kind="stable")
+        out[idx] = 2.0 * gain[idx].mean() + rank / (2.0 * len(idx))  # rank in [0, 0.5): gaps order first
+    return out
+
+
+def mixed_family(table: Mapping[str, Any], router: str) -> dict[str, Any]:
+    """The mixed-family check: on every family pooled (``table["all"]``, from :func:`family_table`
+    with the oracle of :func:`oracle_prior_length` among its routers, named ``ORACLE``), the router
+    against prompt length, random and the oracle. ``margin`` = router APGR - max(length, random)."""
+    entry = table.get("all")
+    if not entry or not entry.get("judged") or router not in entry:
+        return {}
+    apgr = entry[router]["apgr"]
+    out: dict[str, Any] = {
+        "n": entry["n"],
+        "apgr": apgr,
+        "ci95": entry[router].get("ci95"),
+        "length": entry[LENGTH]["apgr"],
+        "random": entry[RANDOM]["apgr"],
+        "margin": round(apgr - max(entry[LENGTH]["apgr"], entry[RANDOM]["apgr"]), 4),
+    }
+    if ORACLE in entry:
+        out["oracle"] = entry[ORACLE]["apgr"]
+    return out
+
+
+def selection_margin(tables: Mapping[str, Mapping[str, Any]], router: str) -> dict[str, Any]:
+    """What selection ranks (issue 56): the worst of the mixed-family margins (pooled sets) and the
+    worst within-family margin (:func:`worst_family`) over every set, not either one alone."""
+    parts: list[dict[str, Any]] = []
+    for name, table in tables.items():
+        mixed = mixed_family(table, router)
+        if mixed:
+            parts.append({"set": name, "check": "mixed", "margin": mixed["margin"]})
+        worst = worst_family(table, router)
+        if worst:
+            parts.append({"set": name, "check": f"within {worst['family']}", "margin": worst["margin"]})
+    if not parts:
+        return {}
+    return {**min(parts, key=lambda p: p["margin"]), "checks": parts}

@@ -67,7 +67,15 @@ def test_yaml_leaves_out_rules_that_never_fire() -> None:
     "shares",
     [
         {"small": 0.5, "medium": 0.3, "large": 0.2},
-        {"small": 0.2, "medium": 0.2, "large": 0.6},
+        pytest.param(
+            {"small": 0.2, "medium": 0.2, "large": 0.6},
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 56: 4.0's category prior puts long constrained writing tasks (labelled "
+                "large in the complexity corpus) low, so at a 20 % small share the routed-small "
+                "prompts hold more large than small labels (22 vs 46; 3.2: 44 vs 41)",
+            ),
+        ),
         {"small": 0.7, "medium": 0.1, "large": 0.2},
     ],
 )

@@ -31,6 +31,7 @@ from classifier.training.outcome_train import (
     FLAG_GROUPS_GATED,
     GATED_CONFIG,
     OUTCOME_CONFIG,
+    PREVIOUS_CONFIG,
     OutcomeConfig,
     fit_outcomes,
     outcome_proba,
@@ -192,7 +193,7 @@ def test_word_problems_rank_by_length_in_the_features_and_the_shipped_score(ship
     "each"/"if"/"older" won the argmax for reasoning, and "$", "/" and "[" set the flag), in
     scikit-learn's features and in the shipped graph: the feature rows differ in the length
     column alone, and the shipped score is strictly increasing in characters."""
-    feats = _family_counts(DOMAIN_GROUPS, OUTCOME_CONFIG.overrides, OUTCOME_CONFIG.flag_scope)
+    feats = _family_counts(DOMAIN_GROUPS, PREVIOUS_CONFIG.overrides, PREVIOUS_CONFIG.flag_scope)  # 3.2
     texts = [model_text(p) for p in WORD_PROBLEMS]
     rows = np.asarray(feats.transform(texts))
     names = list(feats.get_feature_names_out())
