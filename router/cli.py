@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from router.http.server import ServerLimits
     from router.policy.schema import Policy
 
 __all__ = ["main"]
@@ -168,20 +169,28 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from router.errors import PolicyError
-    from router.http.app import admin_listener, create_app
-    from router.http.server import ServerLimits, uvicorn_config
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The ``serve`` options' HTTP limits (both listeners take them; the admin one uncapped)."""
+    from router.http.server import ServerLimits
 
-    admin = args.admin_port > 0
-    limits = ServerLimits(
+    return ServerLimits(
         header_timeout_s=args.header_timeout,
+        max_head_bytes=args.max_header_bytes,
         body_timeout_s=args.body_timeout,
         keep_alive_s=args.keep_alive_timeout,
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
         trusted_proxies=frozenset(p.strip() for p in (args.trusted_proxies or "").split(",") if p.strip()),
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from router.errors import PolicyError
+    from router.http.app import admin_listener, create_app
+    from router.http.server import uvicorn_config
+
+    admin = args.admin_port > 0
+    limits = server_limits(args)
     try:
         app = create_app(args.policy, admin_separate=admin, body_timeout_s=limits.body_timeout_s)
     except PolicyError as exc:
@@ -320,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--header-timeout", type=float, default=10.0, help="seconds to receive a request head (408)"
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 1024,
+        help="largest request head (request line + headers) in bytes, counted as it arrives (431)",
     )
     p.add_argument("--body-timeout", type=float, default=30.0, help="longest pause between body chunks (408)")
     p.add_argument(

@@ -3,9 +3,11 @@ needs, and the admin listener for operator endpoints.
 
 uvicorn bounds idle keep-alive connections and total concurrency (``limit_concurrency``) but not
 how long a client may take to send its request head, so a slow-loris client could hold
-connections open indefinitely by trickling header bytes. ``GuardedHttpToolsProtocol`` adds that:
-a request head must arrive within ``header_timeout_s`` (else 408 and close). Body read time is
-bounded in ``router.http.middleware`` (408 between chunks).
+connections open indefinitely by trickling header bytes, nor how large the head may grow (httptools
+buffers a header line until it ends). ``GuardedHttpToolsProtocol`` adds both: a request head must
+arrive within ``header_timeout_s`` (else 408 and close) and in at most ``max_head_bytes`` (else 431
+and close), counted as the bytes arrive, before the parser, routing or the app see them. Body read
+time is bounded in ``router.http.middleware`` (408 between chunks).
 
 Optionally one client may hold at most ``max_connections_per_client`` connections (off by
 default: behind an ingress or a Kubernetes Service every connection comes from the proxy's
@@ -38,6 +40,9 @@ log = logging.getLogger(__name__)
 class ServerLimits:
     header_timeout_s: float = 10.0
     """A request head (request line + headers) must arrive within this; else 408."""
+    max_head_bytes: int = 64 * 1024
+    """A request head (request line + headers) may be at most this many bytes; else 431 (h11's and
+    nginx's order of size)."""
     body_timeout_s: float = 30.0
     """Longest pause between two body chunks; else 408."""
     keep_alive_s: int = 5
@@ -129,6 +134,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._counted: str | None = None
         self._forwarded: list[str | None] = []
         self._over_cap = False
+        self._head_bytes: int | None = 0
+        """Bytes of the request head received so far; ``None`` from its end to the next request's."""
         ip = self.client[0] if self.client else None
         cap = self.limits.max_connections_per_client
         if ip is not None and cap > 0 and ip not in self.limits.trusted_proxies:
@@ -157,12 +164,44 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.per_client[client] <= 0:
             del self.per_client[client]
 
+    def data_received(self, data: bytes) -> None:
+        """Counts the head's bytes before the parser sees them: past ``max_head_bytes`` without the
+        head's end, 431 and close, so the parser never buffers more than that. Data is fed at most
+        the head's remaining room at a time; a pipelined request's head that begins inside one such
+        part is counted from the next, so a head holds at most twice the limit."""
+        while data:
+            if self._head_bytes is None:  # the body, or whatever follows a complete head
+                super().data_received(data)
+                return
+            room = self.limits.max_head_bytes - self._head_bytes
+            if room <= 0:
+                self._head_too_large()
+                return
+            part, data = data[:room], data[room:]
+            self._head_bytes += len(part)
+            super().data_received(part)
+            if self.transport is None or self.transport.is_closing():
+                return
+
+    def _head_too_large(self) -> None:
+        self._cancel_head_timer()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(
+                _response(b"431 Request Header Fields Too Large", b"Request header fields are too large.")
+            )
+            self.transport.close()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arm_head_timer()  # each request on a kept-alive connection gets the same bound
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_bytes = 0  # what follows on this connection is the next request's head
+
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        self._head_bytes = None
         path = self.url.split(b"?", 1)[0]
         refusal, counted = (None, None) if path in PROBE_PATHS else self._refusal()
         if self.client is not None and self.client[0] in self.limits.trusted_proxies:
