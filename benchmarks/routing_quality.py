@@ -141,14 +141,15 @@ def selection(
     draws: int,
     mixed: dict[str, dict[str, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """Worst of (mixed-family margin, per set, in-sample; worst LOFO family) of each candidate over every set; the largest worst margin leads, candidates
-    within its paired bootstrap noise tie with it, and the tie goes to pooled held-out MMLU APGR."""
+    """Worst of (mixed-family margin per set, in-sample; worst LOFO family) of each candidate over
+    every set; the largest worst margin leads, candidates within its paired bootstrap noise tie with
+    it, and the tie goes to pooled held-out MMLU APGR."""
     worst = {}
     for name, per_set in tables.items():
         checks = [dict(worst_family(t, "value"), set=s, check="within (LOFO)") for s, t in per_set.items()]
         checks += [
             dict(m, family="all", set=s, check="mixed")
-            for s, m in (mixed.get(name) or {}).items()
+            for s, m in ((mixed or {}).get(name) or {}).items()
             if m  # a set with one family has no mixed check
         ]
         worst[name] = min(checks, key=lambda w: w["margin"])
