@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from tiers.attention.flex import flex_paged_attention
+from tiers.attention import selector
+from tiers.attention.selector import AttentionBackend, attend
 
 if TYPE_CHECKING:
     from tiers.attention.flex import AttnGroup
@@ -31,11 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["FastDecoder", "supports_fast_path"]
 
 _SUPPORTED = {"llama", "qwen2", "mistral"}
-
-# Query tokens per row up to which the paged attention kernel replaces gather + SDPA: decode (1),
-# speculative verification (k + 1) and short prefill chunks. Its per-key dot products beat the flash
-# kernel's setup for these; long prefills, where SDPA's blocked GEMMs pay, keep SDPA.
-PAGED_ATTENTION_MAX_Q_LEN = 64
 
 
 def supports_fast_path(model: Any) -> bool:
@@ -56,7 +52,7 @@ def supports_fast_path(model: Any) -> bool:
 class FastDecoder:
     def __init__(self, model: Any, *, paged_every_query: bool = False) -> None:
         self.paged_every_query = paged_every_query
-        """The paged kernel also serves prompt chunks over ``PAGED_ATTENTION_MAX_Q_LEN`` queries:
+        """The paged kernel also serves prompt chunks over ``selector.PAGED_ATTENTION_MAX_Q_LEN`` queries:
         one kernel for every query length makes a row's logits independent of chunk boundaries
         (batch invariance, the policy's ``batch_invariant``)."""
         self.base = model.base_model
@@ -71,24 +67,14 @@ class FastDecoder:
         self.norm_weight = self.base.norm.weight
         self.norm_eps = self.base.norm.variance_epsilon
         self._fused_norm = self._fused_norm_op()
-        self._paged_attention = self._paged_attention_op()
+        device = self.base.embed_tokens.weight.device
+        # The attention backends (tiers/attention/selector.py): the CPU kernel, FlexAttention.
+        self._paged_attention = selector.paged_attention_op(device, self.head_dim, self.group, self.dtype)
         self._rope_kv = self._rope_kv_op()
-        self.flex_attention = self._flex_attention_fn()
+        self.flex_attention = selector.flex_attention_fn(device)
         """FlexAttention over the pool in place (``tiers/attention/flex.py``) for every query length:
-        on CUDA (compiled), or anywhere with ``TIERED_ROUTER_ATTENTION=flex`` (eager: the CPU
-        tests run the GPU path's Python). ``None``: the CPU kernel or gather + SDPA."""
-
-    def _flex_attention_fn(self) -> Any | None:
-        import os
-
-        choice = os.environ.get("TIERED_ROUTER_ATTENTION", "auto")
-        on_cuda = self.base.embed_tokens.weight.device.type == "cuda"
-        if choice == "sdpa" or (choice == "auto" and not on_cuda):
-            return None
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # Compiled on CUDA (Triton); shapes vary with the batch, so dynamic from the start.
-        return torch.compile(flex_attention, dynamic=True) if on_cuda else flex_attention
+        on CUDA (compiled), or on the CPU with ``TIERED_ROUTER_ATTENTION=flex`` (eager: the CPU
+        tests run the GPU path's Python) or ``flex-compile``. ``None``: the CPU kernel or gather + SDPA."""
 
     def _rope_kv_op(self) -> Any | None:
         """The fused RoPE + K/V write kernel where it applies: a CPU model of bf16 or fp32 (the pool
@@ -100,26 +86,10 @@ class FastDecoder:
             return None
         return op if self.dtype in (torch.bfloat16, torch.float32) and self.head_dim % 2 == 0 else None
 
-    def _paged_attention_op(self) -> Any | None:
-        """The paged attention kernel where it applies: a CPU pool of bf16 or fp32, head sizes and
-        GQA groups it is built for."""
-        from tiers.kernels import cpu as cpu_kernels
-
-        op = cpu_kernels.paged_attention_op()
-        if op is None or self.base.embed_tokens.weight.device.type != "cpu":
-            return None
-        if self.head_dim not in (16, 32, 64, 128) or self.group > 8:
-            return None
-        if self.dtype not in (torch.bfloat16, torch.float32):  # the pool has the model's dtype
-            return None
-        return op
-
     def paged_attention_serves(self, q_len: int) -> bool:
         """Whether attention of a group with ``q_len`` queries per row runs the paged kernel
         (then the group needs no mask and no gathered copy of its blocks)."""
-        return self._paged_attention is not None and (
-            self.paged_every_query or q_len <= PAGED_ATTENTION_MAX_Q_LEN
-        )
+        return selector.paged_attention_serves(self._paged_attention, q_len, self.paged_every_query)
 
     @property
     def uses_flex(self) -> bool:
@@ -253,12 +223,15 @@ class FastDecoder:
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         same_dtype = cos.dtype == sin.dtype == kv_pool.dtype == self.dtype  # rope_kv_write's contract
         rope_kv = self._rope_kv if same_dtype else None
         if rope_kv is not None:
             cos2, sin2 = cos.reshape(n, dim).contiguous(), sin.reshape(n, dim).contiguous()
         delta: torch.Tensor | None = None  # the last sublayer's output, added to h by the next norm
+        backend = AttentionBackend(
+            self.flex_attention, self._paged_attention, self.scale, heads, kv_heads, dim
+        )
         for i, (w_in, eps_in, qkv, qkv_sizes, o_p, w_post, eps_post, gate_up, gu_sizes, down) in enumerate(
             self.layers
         ):
@@ -275,46 +248,7 @@ class FastDecoder:
             out = torch.empty((n, heads, dim), dtype=q.dtype, device=q.device) if len(groups) > 1 else None
             for g in groups:
                 rows, t = g.num_rows, g.q_len
-                if g.flex is not None:  # FlexAttention reads the pool in place (tiers/attention/flex.py)
-                    attn = flex_paged_attention(
-                        q[g.first : g.first + rows * t],
-                        pool,
-                        g.flex,
-                        t,
-                        self.scale,
-                        compiled=self.flex_attention,
-                    )
-                    if out is None:
-                        out = attn
-                    else:
-                        out[g.first : g.first + rows * t] = attn
-                    continue
-                if g.mask is None:  # the paged kernel reads the pool in place (paged_attention_serves)
-                    assert self._paged_attention is not None
-                    q_rows, tables = q[g.first : g.first + rows * t], g.block_idx.view(rows, -1)
-                    attn = self._paged_attention(q_rows, pool, tables, g.starts, t, self.scale)
-                    if out is None:
-                        out = attn
-                    else:
-                        out[g.first : g.first + rows * t] = attn
-                    continue
-                kv = pool.index_select(0, g.block_idx).view(rows, g.kv_len, 2, kv_heads, dim)
-                keys = kv[:, :, 0].transpose(1, 2).to(q.dtype)  # [rows, kv_heads, kv_len, dim]
-                values = kv[:, :, 1].transpose(1, 2).to(q.dtype)
-                # GQA folded: each KV head's query group and positions share one query axis
-                # ([rows, kv_heads, group * t, dim]), so K/V are read once, never repeated per head.
-                qg = (
-                    q[g.first : g.first + rows * t]
-                    .view(rows, t, kv_heads, group, dim)
-                    .permute(0, 2, 3, 1, 4)
-                    .reshape(rows, kv_heads, group * t, dim)
-                )
-                attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=self.scale)
-                attn = (
-                    attn.view(rows, kv_heads, group, t, dim)
-                    .permute(0, 3, 1, 2, 4)
-                    .reshape(rows * t, heads, dim)
-                )
+                attn = attend(q[g.first : g.first + rows * t], pool, g, backend)
                 if out is None:  # one group covers the whole stream
                     out = attn
                 else:

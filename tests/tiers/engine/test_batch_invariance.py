@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 
+from tiers.attention import selector
 from tiers.core.block_manager import BlockTable
 from tiers.core.sched.scheduler import SchedulerConfig
 from tiers.core.sequence import SamplingParams
@@ -119,10 +120,10 @@ def one_attention_kernel(
     if request.param == "paged":
         if cpu_kernels.paged_attention_op() is None:
             pytest.skip("the paged attention kernel is not built on this host")
-        monkeypatch.setattr(fast_forward, "PAGED_ATTENTION_MAX_Q_LEN", 1 << 30)
+        monkeypatch.setattr(selector, "PAGED_ATTENTION_MAX_Q_LEN", 1 << 30)
         yield "paged", _counting(monkeypatch, cpu_kernels, "paged_attention_op")
     else:
-        monkeypatch.setattr(fast_forward, "PAGED_ATTENTION_MAX_Q_LEN", 0)
+        monkeypatch.setattr(selector, "PAGED_ATTENTION_MAX_Q_LEN", 0)
         calls = [0]
         real = fast_forward.F.scaled_dot_product_attention
 

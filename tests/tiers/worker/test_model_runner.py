@@ -176,12 +176,12 @@ def test_paged_attention_kernel_serves_short_queries_and_agrees_with_sdpa(
     attending to each other's blocks, and the fast path silently falling back to SDPA."""
     from torch.profiler import profile
 
-    from tiers.models import llama as fast_forward
+    from tiers.attention import selector
 
     fast = runner(tiny_model_dir, quantization=quantization, num_blocks=128)
     assert fast.fast is not None and fast.fast._paged_attention is not None, "run `make kernels`"
     layers = len(fast.fast.layers)
-    long_q = fast_forward.PAGED_ATTENTION_MAX_Q_LEN + 1
+    long_q = selector.PAGED_ATTENTION_MAX_Q_LEN + 1
     t1, t2, t3 = table(fast, 40), table(fast, 12), table(fast, long_q)
 
     def step(r: ModelRunner, prefill: bool) -> list[torch.Tensor | None]:
