@@ -39,7 +39,10 @@ def main() -> None:
     worker = DeviceWorker()
     loaded, engine, dense = worker.call(_setup)
     engine.attach(worker)
-    dense.attach(worker)
+    # The dense engine steps on its own revision's worker: today's worker calls engine methods
+    # (``share``, ``has_protected_prefill``) that engine predates.
+    dense_worker = _old_worker()
+    dense.attach(dense_worker)
     tok = loaded.tokenizer
     ids = encode_chat(tok, PROMPTS)
 
@@ -68,6 +71,7 @@ def main() -> None:
     memory = _queued_memory(engine, ids)
     print("memory", memory, flush=True)
     worker.stop()
+    dense_worker.stop()
     data = {
         "model": "embedded:smollm2-135m-instruct (large tier: fp32, oneDNN linears)",
         "dense_engine_revision": DENSE_REV,
@@ -83,6 +87,12 @@ def main() -> None:
 
 DENSE_REV = "65ad204"
 """The last commit with the dense-slot engine."""
+
+
+def _old_worker() -> Any:
+    from benchmarks.common import load_tiers_at
+
+    return load_tiers_at(DENSE_REV).device.DeviceWorker()
 
 
 def _setup() -> tuple[Any, Any, Any]:

@@ -284,7 +284,7 @@ def load_tiers_at(rev: str) -> Any:
     ns = types.SimpleNamespace(
         **{
             m: importlib.import_module(f"{name}.{m}")
-            for m in ("engine", "model_runner", "scheduler", "sequence")
+            for m in ("engine", "model_runner", "scheduler", "sequence", "device")
         }
     )
     ns.package = mod
