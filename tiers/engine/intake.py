@@ -22,8 +22,10 @@ __all__ = ["Intake"]
 class Intake:
     """A thread-safe inbox of new requests (``Tracked``) and aborts, with what it holds counted."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, device: torch.device | str = "cpu") -> None:
         self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        """Where seeded requests' generators draw (the sampler's device)."""
         self._inbox: queue.SimpleQueue[tuple[Literal["add"], Tracked] | tuple[Literal["abort"], Sequence]] = (
             queue.SimpleQueue()
         )
@@ -69,7 +71,7 @@ class Intake:
         for p in params:
             seq = Sequence(list(prompt), p, eos_token_ids=eos_token_ids, cache_salt=cache_salt, caller=caller)
             seq.fork_of = items[0].seq if items else None
-            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            gen = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else None
             detok = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output, p.min_tokens)
             wait = None if items else predicted
             items.append(Tracked(seq, RequestHandle(engine, seq, loop), detok, gen, predicted_wait=wait))

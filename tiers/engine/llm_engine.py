@@ -69,7 +69,7 @@ class Engine:
         self.draft = draft_runner if speculative_tokens > 0 else None
         self.spec = SpecController(max_k=speculative_tokens if self.draft is not None else 0)
         self.eos_token_ids = runner.eos_token_ids()
-        self._shared_generator = torch.Generator().manual_seed(0)
+        self._shared_generator = torch.Generator(runner.device).manual_seed(0)  # where the sampler runs
         self.proposer = make_proposer(
             name, self.draft, self.spec, vocab_size=runner.vocab_size, eos_token_ids=self.eos_token_ids,
             generator=self._shared_generator, max_num_seqs=config.max_num_seqs
@@ -80,7 +80,7 @@ class Engine:
         self.pace = Pace(config.max_num_seqs, config.max_num_batched_tokens)
         """Measured step costs, for the predicted wait (``tiers/core/sched/pacing.py``)."""
         self.post = Postprocessor(name, self.scheduler, self.pace, self.proposer, observer)
-        self.intake = Intake(self.tokenizer)
+        self.intake = Intake(self.tokenizer, runner.device)
         self._worker: DeviceWorker[Engine] | None = None
         self._k = 0
         self.step_hook: Callable[[ScheduledBatch], None] | None = None

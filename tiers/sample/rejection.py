@@ -38,10 +38,10 @@ def accept_batch(
     p_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
     # q >= p: always accept; otherwise accept with probability q/p.
     ok = (uniform * p_x <= q_x) & (p_x > 0) & (q_x > 0)
-    ok &= torch.arange(k)[None, :] < num_drafted[:, None]
+    ok &= torch.arange(k, device=draft_tokens.device)[None, :] < num_drafted[:, None]
     # Accepted = length of the leading run of True.
     num_accepted = torch.cumprod(ok.to(torch.long), dim=1).sum(dim=1)  # [R]
-    rows = torch.arange(r)
+    rows = torch.arange(r, device=draft_tokens.device)
     at = num_accepted.clamp(max=k - 1) if k else num_accepted
     q_a = target_probs[rows, num_accepted]  # [R, V]
     if k:

@@ -8,6 +8,12 @@ Draws use the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token 
 sample from ``p``): the noise of a seeded request comes from its own generator, one ``[V]`` draw
 per sampled token, so ``seed`` reproduces a request's output whatever else shares its batch;
 everything else shares one batched draw from the engine's generator.
+
+Everything runs where the logits are (the runner's device): the rows' parameters and drafts go
+over in small non-blocking copies, every decision about the rows is taken from what the host
+already knows (parameters, draft lengths), and the step's outcome - accepted counts and chosen
+tokens - comes back in one copy (``choose_tokens``): the step's only host sync (rows asking for
+logprobs aside, whose values are read back too).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from tiers.core.sched.batch import RowOutput
 from tiers.sample.logits_processors import apply_logit_bias, apply_penalties, mask_row, probs_batch
 from tiers.sample.logprobs import token_logprob
 from tiers.sample.rejection import accept_batch
+from tiers.worker.staging import to_device
 
 if TYPE_CHECKING:
     from tiers.core.sequence import Sequence
@@ -45,8 +52,12 @@ def draw(
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        block = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype).exponential_(generator=shared)
-        noise[unseeded] = block
+        block = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype, device=probs.device)
+        block.exponential_(generator=shared)
+        if len(unseeded) == len(generators):
+            noise = block
+        else:
+            noise.index_copy_(0, to_device(unseeded, torch.long, probs.device), block)
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
@@ -88,7 +99,7 @@ def propose_tokens(
     Returns the tokens, the laws of sampled rows (by row) and each row's grammar mask. A draft head
     narrower than the target's is padded with -inf: it never proposes ids it cannot produce."""
     if logits.shape[1] < vocab:
-        pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-inf"))
+        pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-inf"), device=logits.device)
         logits = torch.cat([logits, pad], dim=1)
     masks = []
     for r, seq in enumerate(seqs):
@@ -99,8 +110,9 @@ def propose_tokens(
     sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
     laws: dict[int, torch.Tensor] = {}
     if sampled:
-        p = probs_batch(logits[sampled], [seqs[r].params for r in sampled])
-        tokens[sampled] = draw(p, [None] * len(sampled), shared)
+        idx = to_device(sampled, torch.long, logits.device)
+        p = probs_batch(logits.index_select(0, idx), [seqs[r].params for r in sampled])
+        tokens.index_copy_(0, idx, draw(p, [None] * len(sampled), shared))
         laws = {r: p[j] for j, r in enumerate(sampled)}
     return tokens.tolist(), laws, masks
 
@@ -119,7 +131,7 @@ def target_logits(
         lg = lg[-(len(draft.tokens) + 1) :]
     if short > 0:
         ends = sorted({*eos_ids, *seq.eos_token_ids, *seq.params.stop_token_ids})
-        lg[:short, [t for t in ends if t < lg.shape[-1]]] = float("-inf")
+        lg[:short, to_device([t for t in ends if t < lg.shape[-1]], torch.long, lg.device)] = float("-inf")
     if seq.params.logit_bias:
         apply_logit_bias(lg, seq.params.logit_bias)
     if seq.params.constraint is not None:
@@ -147,6 +159,27 @@ def _stacked(chunks: Seq[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((total, width), (width, 1), first.storage_offset())
 
 
+def _greedy_outcome(
+    argmax: torch.Tensor, offsets: list[int], drafts: Seq[Draft | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows on the device: accepted = the leading run of drafts equal to the target's argmax,
+    token = the argmax after it. ``drafts[j]``: row j's (``offsets[j]``: its first position)."""
+    k = max((len(d.tokens) for d in drafts if d is not None), default=0)
+    pos: list[int] = []
+    tok: list[int] = []
+    for first, d in zip(offsets, drafts, strict=True):
+        n = len(d.tokens) if d is not None else 0
+        pos += [first + min(j, n) for j in range(k + 1)]
+        tok += (d.tokens if d is not None else []) + [-1] * (k - n)  # -1: never an argmax
+    pos_t, tok_t = to_device(pos + tok, torch.long, argmax.device).split([len(pos), len(tok)])
+    best = argmax[pos_t].view(len(drafts), k + 1)
+    if not k:
+        return torch.zeros(len(drafts), dtype=torch.long, device=argmax.device), best[:, 0]
+    agree = best[:, :k] == tok_t.view(len(drafts), k)
+    m = torch.cumprod(agree.to(torch.long), dim=1).sum(dim=1)
+    return m, best.gather(1, m[:, None])[:, 0]
+
+
 def choose_tokens(
     seqs: Seq[Sequence],
     chunks: Seq[torch.Tensor],
@@ -158,30 +191,31 @@ def choose_tokens(
 
     Greedy rows accept while the target's argmax agrees and take its argmax: no vocabulary-sized
     tensor is built for them. Sampled rows get their laws in one batched pass, the acceptance rule
-    over all speculating rows at once, then one batched draw."""
+    over all speculating rows at once, then one batched draw. All of it on the logits' device; the
+    outcome comes back in one copy."""
     flat = _stacked(chunks)  # [M, V]
+    dev = flat.device
     offsets = [0]
     for c in chunks:
         offsets.append(offsets[-1] + c.shape[0])
     logprobs = torch.log_softmax(flat, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-    argmax = flat.argmax(dim=-1).tolist()
-    accepted = [0] * len(seqs)
-    tokens = [0] * len(seqs)
-    sampled: list[int] = []
-    for r, seq in enumerate(seqs):
-        if not seq.params.is_greedy:
-            sampled.append(r)
-            continue
-        best = argmax[offsets[r] : offsets[r + 1]]
-        d = drafts[r]
-        m = 0
-        if d is not None:
-            while m < len(d.tokens) and d.tokens[m] == best[m]:
-                m += 1
-        accepted[r], tokens[r] = m, best[m]
+    outcome = torch.zeros((2, len(seqs)), dtype=torch.long, device=dev)  # accepted, token
+    greedy = [r for r, seq in enumerate(seqs) if seq.params.is_greedy]
+    sampled = [r for r, seq in enumerate(seqs) if not seq.params.is_greedy]
+    if greedy:
+        m, tok = _greedy_outcome(
+            flat.argmax(dim=-1), [offsets[r] for r in greedy], [drafts[r] for r in greedy]
+        )
+        if len(greedy) == len(seqs):
+            outcome = torch.stack((m, tok))
+        else:
+            outcome.index_copy_(1, to_device(greedy, torch.long, dev), torch.stack((m, tok)))
     if sampled:
         rows = [j for r in sampled for j in range(offsets[r], offsets[r + 1])]
-        probs = probs_batch(flat[rows], [seqs[r].params for r in sampled for _ in range(chunks[r].shape[0])])
+        picked = (
+            flat if len(rows) == flat.shape[0] else flat.index_select(0, to_device(rows, torch.long, dev))
+        )
+        probs = probs_batch(picked, [seqs[r].params for r in sampled for _ in range(chunks[r].shape[0])])
         local = {}  # row -> its first position in probs
         at = 0
         for r in sampled:
@@ -192,26 +226,28 @@ def choose_tokens(
         if spec:
             k = max(len(drafts[sampled[j]].tokens) for j in spec)  # type: ignore[union-attr]
             vocab = probs.shape[1]
-            d_tok = torch.zeros((len(spec), k), dtype=torch.long)
-            d_num = torch.zeros(len(spec), dtype=torch.long)
-            p = torch.zeros((len(spec), k, vocab))
-            q = torch.zeros((len(spec), k + 1, vocab))
+            d_tok: list[int] = []
+            d_num: list[int] = []
+            p = torch.zeros((len(spec), k, vocab), device=dev)
+            q = torch.zeros((len(spec), k + 1, vocab), device=dev)
             for row, j in enumerate(spec):
                 r = sampled[j]
                 d = drafts[r]
                 assert d is not None
                 n = len(d.tokens)
-                d_tok[row, :n] = torch.tensor(d.tokens)
-                d_num[row] = n
+                d_tok += d.tokens + [0] * (k - n)
+                d_num.append(n)
                 p[row, :n] = torch.stack(d.probs)
                 q[row, : n + 1] = probs[local[r] : local[r] + n + 1]
-            num_acc, dist = accept_batch(d_tok, d_num, p, q, torch.rand((len(spec), k), generator=shared))
+            tok_t, num_t = to_device(d_tok + d_num, torch.long, dev).split([len(d_tok), len(d_num)])
+            uniform = torch.rand((len(spec), k), generator=shared, device=dev)
+            num_acc, dist = accept_batch(tok_t.view(len(spec), k), num_t, p, q, uniform)
+            outcome[0].index_copy_(0, to_device([sampled[j] for j in spec], torch.long, dev), num_acc)
             for row, j in enumerate(spec):
-                accepted[sampled[j]] = int(num_acc[row])
                 next_dist[j] = dist[row]
-        drawn = draw(torch.stack(next_dist), [generators[r] for r in sampled], shared).tolist()
-        for j, r in enumerate(sampled):
-            tokens[r] = int(drawn[j])
+        drawn = draw(torch.stack(next_dist), [generators[r] for r in sampled], shared)
+        outcome[1].index_copy_(0, to_device(sampled, torch.long, dev), drawn)
+    accepted, tokens = outcome.tolist()  # the step's one copy back to the host
     return StepTokens(accepted, tokens, offsets, logprobs)
 
 

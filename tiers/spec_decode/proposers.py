@@ -277,7 +277,16 @@ class NgramDraft:
 
     ragged = True
 
-    def __init__(self, ngram: NgramProposer, spec: SpecController, *, vocab_size: int) -> None:
+    def __init__(
+        self,
+        ngram: NgramProposer,
+        spec: SpecController,
+        *,
+        vocab_size: int,
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = device or torch.device("cpu")
+        """Where the sampler reads the drafts' laws (the target's logits' device)."""
         self.ngram = ngram
         self.blocks = ngram.blocks
         self.spec = spec
@@ -314,8 +323,8 @@ class NgramDraft:
             d = out.drafts[i] = Draft(tokens)
             if not seq.params.is_greedy:  # the draft's law is one-hot at each proposed token
                 for t in tokens:
-                    law = torch.zeros(self.vocab_size)
-                    law[t] = 1.0
+                    law = torch.zeros(self.vocab_size, device=self.device)
+                    law[t] = 1.0  # a fill of one element: no host-to-device copy
                     d.probs.append(law)
             proposed += 1
         if proposed:
@@ -363,7 +372,7 @@ def make_proposer(
     if draft is None:
         return None
     if isinstance(draft, NgramProposer):
-        return NgramDraft(draft, spec, vocab_size=vocab_size)
+        return NgramDraft(draft, spec, vocab_size=vocab_size, device=generator.device)
     if draft.vocab_size > vocab_size:
         raise ValueError(
             f"tier '{tier}': the draft's logits ({draft.vocab_size}) are wider than the target's "

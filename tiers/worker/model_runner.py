@@ -1,15 +1,10 @@
-"""The only engine file that touches torch: the paged KV pool and the batched forward.
+"""A model's batched forward over its paged KV pool (``kv_cache.py``): input preparation and the forward.
 
-KV layout: one tensor ``kv: [layers, num_blocks + 1, block_size, 2, kv_heads, head_dim]`` (vLLM's
-token-major block layout, K and V side by side so each layer's new keys and values land in one
-``index_copy_``). Block ``num_blocks`` is a scratch block no sequence owns: padded positions of the
-generic path write there. Which block holds which token is the ``BlockManager``'s business
-(``block_manager.py``, owned here so a tier and the tier it drafts for share one pool).
-
-The pool is allocated with ``torch.empty`` and each block is zeroed the first time a forward
-uses it: resident memory follows the blocks actually used (the budget is an upper bound), and
-attention never reads uninitialised memory - positions past a row's length are masked, but a NaN
-there would still poison ``softmax(QK) @ V`` (0 x NaN = NaN).
+The inputs of a forward (token ids, positions, slots, block tables, starts, the logit rows) go to
+the device in one staged copy (``staging.py``: pinned and non-blocking on CUDA); the logits stay
+on the device, where the sampler reads them (``tiers/sample/``), so a step's only host sync is the
+sampler's copy of the chosen tokens. Decode steps may replay CUDA graphs (``cuda_graphs.py``,
+``cuda_graphs=True``).
 
 A forward takes rows of ``(block table, start position, tokens)``. Two paths:
 
@@ -32,8 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from tiers.attention.flex import AttnGroup, PagedBlockMask
-from tiers.core.block_manager import BlockManager, BlockTable
+from tiers.core.block_manager import BlockTable
 from tiers.models.llama import FastDecoder, supports_fast_path
+from tiers.worker.cuda_graphs import DecodeGraphs, GraphLayout
+from tiers.worker.kv_cache import KVPool, PagedCache
+from tiers.worker.staging import HostStager
 
 if TYPE_CHECKING:
     from tiers.models.loading import LoadedModel
@@ -75,36 +73,6 @@ def check_supported(cfg: Any, max_model_len: int) -> None:
         raise ValueError(f"model type '{text.model_type}' has sliding-window layers; see above")
 
 
-class _PagedCache:
-    """Duck-typed HF cache for one padded forward (generic path)."""
-
-    def __init__(
-        self, runner: ModelRunner, slots: torch.Tensor, block_idx: torch.Tensor, kv_len: int
-    ) -> None:
-        self.runner = runner
-        self.slots = slots  # [B * T] pool slot of every padded token (scratch for padding)
-        self.block_idx = block_idx  # [B * num_blocks]
-        self.kv_len = kv_len
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, kv_heads, T, head_dim] -> flat tokens [B*T, kv_heads, head_dim]
-        b, h, t, d = key_states.shape
-        pool = self.runner.kv[layer_idx]
-        new = torch.stack((key_states.transpose(1, 2), value_states.transpose(1, 2)), dim=2)
-        pool.view(-1, 2, h, d).index_copy_(0, self.slots, new.reshape(b * t, 2, h, d).to(pool.dtype))
-        kv = pool.index_select(0, self.block_idx).view(b, self.kv_len, 2, h, d)
-        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-
 class ModelRunner:
     """Batched forwards of one model over its own paged KV pool."""
 
@@ -118,12 +86,15 @@ class ModelRunner:
         enable_prefix_caching: bool = True,
         fast_path: bool = True,
         batch_invariant: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         """``batch_invariant``: the fast path's paged attention kernel serves every query length
-        (``FastDecoder``), so a row's logits do not depend on how its prompt was chunked."""
+        (``FastDecoder``), so a row's logits do not depend on how its prompt was chunked.
+        ``cuda_graphs``: decode steps of the fast path replay CUDA graphs at bucketed batch sizes
+        (``cuda_graphs.py``; on a CUDA device only, else ignored)."""
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.device = loaded.device
+        self.device = torch.device(loaded.device)
         self.dtype = loaded.dtype
         self.max_model_len = max_model_len
         cfg = self.model.config.get_text_config()
@@ -138,16 +109,24 @@ class ModelRunner:
         self.vocab_size = int(self.lm_head.out_features)
         """Width of the logits (may exceed the tokenizer's vocabulary)."""
         self.block_size = block_size
-        self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
-        self.scratch_block = num_blocks
-        shape = (self.num_layers, num_blocks + 1, block_size, 2, self.num_kv_heads, self.head_dim)
-        self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.kv[:, self.scratch_block].zero_()
-        self.blocks.copy_block = self._copy_block
+        self.stager = HostStager(self.device)
+        self.pool = KVPool(
+            num_layers=self.num_layers, num_blocks=num_blocks, block_size=block_size,
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+            enable_caching=enable_prefix_caching, to_device=self.stager.one,
+        )  # fmt: skip
+        self.blocks = self.pool.blocks
+        self.scratch_block = self.pool.scratch_block
+        self.kv = self.pool.kv
         self.base = self.model.base_model
         # Llama-family models skip HF's layer stack for a lean loop over the same modules.
         fast = fast_path and supports_fast_path(self.model)
         self.fast = FastDecoder(self.model, paged_every_query=batch_invariant) if fast else None
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.fast is not None and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self._decode_body, self._graph_layout(), capture=True, to_device=self.stager.stage
+            )
 
     @property
     def kv_bytes(self) -> int:
@@ -162,17 +141,28 @@ class ModelRunner:
         return self.blocks.num_blocks * self.block_size
 
     # -- inputs ---------------------------------------------------------------------------------
-    def _slots(self, row: RowInput, n: int) -> list[int]:
-        bs = self.block_size
-        table = row.block_table
-        return [table[p // bs] * bs + p % bs for p in range(row.start, row.start + n)]
-
-    def _block_idx(self, rows: list[RowInput], num_blocks: int) -> torch.Tensor:
+    def _block_idx(self, rows: list[RowInput], num_blocks: int) -> list[int]:
         flat: list[int] = []
         for r in rows:
             used = self.blocks.blocks_for(r.start + len(r.token_ids))
             flat += r.block_table[:used] + [self.scratch_block] * (num_blocks - used)
-        return torch.tensor(flat, dtype=torch.long)
+        return flat
+
+    @staticmethod
+    def _picks(rows: list[RowInput], offsets: list[int]) -> tuple[list[int], list[tuple[int, int] | None]]:
+        """Stream positions whose logits the rows asked for, and each row's span of them;
+        ``offsets[i]``: row i's first token in the stream."""
+        picks: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        for r, first in zip(rows, offsets, strict=True):
+            n = len(r.token_ids)
+            if r.logits == "none":
+                spans.append(None)
+                continue
+            cols = range(n - 1, n) if r.logits == "last" else range(n)
+            spans.append((len(picks), len(picks) + len(cols)))
+            picks += [first + c for c in cols]
+        return picks, spans
 
     # -- forward --------------------------------------------------------------------------------
     def eos_token_ids(self) -> frozenset[int]:
@@ -200,37 +190,49 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
-        """Returns float32 logits per row: ``[1, V]`` for ``last``, ``[n, V]`` for ``all`` (one
-        per fed token), ``None`` for ``none``."""
+        """Returns float32 logits per row, on the device: ``[1, V]`` for ``last``, ``[n, V]`` for
+        ``all`` (one per fed token), ``None`` for ``none``."""
         if not rows:
             return []
-        self._zero_new_blocks()
+        self.pool.zero_new_blocks()
         if self.fast is not None:
+            if self.graphs is not None and self.graphs.serves(rows):
+                return list(self.graphs.run(rows).split(1))
             return self._forward_flat(rows)
         return self._forward_padded(rows)
 
-    def _copy_block(self, src: int, dst: int) -> None:
-        """One block's KV, every layer, into a fresh one: a prefix hit past the last whole block
-        (block_manager.py)."""
-        self._zero_new_blocks()  # dst may be new: its pending zeroing must not come after the copy
-        self.kv[:, dst] = self.kv[:, src]
-
-    def _zero_new_blocks(self) -> None:
-        fresh = self.blocks.take_first_uses()
-        if fresh:
-            self.kv[:, fresh] = 0
+    def _attn_group(
+        self, first: int, rows: int, q_len: int, block_idx: torch.Tensor, blocks: int, starts: torch.Tensor
+    ) -> AttnGroup:
+        """One group's attention inputs from its device tensors (mask and block mask built there)."""
+        assert self.fast is not None
+        bs, dev = self.block_size, self.device
+        kv_len = blocks * bs
+        additive: torch.Tensor | None = None
+        flex = None
+        if self.fast.uses_flex:
+            flex = PagedBlockMask(block_idx.view(rows, blocks), starts, q_len, self.kv.shape[1], bs)
+        elif not self.fast.paged_attention_serves(q_len):
+            group = self.num_heads // self.num_kv_heads
+            q_pos = starts[:, None] + torch.arange(q_len, device=dev)[None, :]  # [rows, q_len]
+            # mask[r, 0, g*q_len + t, j]: query t of row r sees key j iff j <= its position.
+            mask = torch.arange(kv_len, device=dev)[None, None, :] <= q_pos[:, :, None]  # [rows, q, kv_len]
+            mask = mask[:, None].expand(rows, group, q_len, kv_len).reshape(rows, 1, group * q_len, kv_len)
+            zeros = torch.zeros(mask.shape, dtype=self.dtype, device=dev)
+            additive = zeros.masked_fill_(~mask, float("-inf"))
+        return AttnGroup(first, rows, q_len, block_idx, kv_len, starts, additive, flex)
 
     def _forward_flat(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
         assert self.fast is not None
-        bs = self.block_size
         # Rows of equal query length side by side, so each attention group is one slice.
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         offsets = [0] * len(rows)  # row -> index of its first token in the stream
-        groups: list[AttnGroup] = []
-        group = self.num_heads // self.num_kv_heads
+        shapes: list[tuple[int, int, int, int]] = []  # (first, rows, q_len, num_blocks) per group
+        tables: list[list[int]] = []
+        starts: list[list[int]] = []
         i = 0
         while i < len(order):
             q_len = len(rows[order[i]].token_ids)
@@ -244,50 +246,42 @@ class ModelRunner:
                 offsets[k] = len(ids)
                 ids += r.token_ids
                 positions += range(r.start, r.start + q_len)
-                slots += self._slots(r, q_len)
+                slots += self.pool.slots(r.block_table, r.start, q_len)
             num_blocks = max(self.blocks.blocks_for(r.start + q_len) for r in members)
-            kv_len = num_blocks * bs
-            starts = torch.tensor([r.start for r in members], dtype=torch.long)
-            additive: torch.Tensor | None = None
-            block_idx = self._block_idx(members, num_blocks).to(self.device)
-            flex = None
-            if self.fast.uses_flex:
-                flex = PagedBlockMask(
-                    block_idx.view(len(members), num_blocks), starts, q_len, self.kv.shape[1], bs
-                )
-            elif not self.fast.paged_attention_serves(q_len):
-                q_pos = starts[:, None] + torch.arange(q_len)[None, :]  # [rows, q_len]
-                # mask[r, 0, g*q_len + t, j]: query t of row r sees key j iff j <= its position.
-                mask = torch.arange(kv_len)[None, None, :] <= q_pos[:, :, None]  # [rows, q_len, kv_len]
-                mask = (
-                    mask[:, None]
-                    .expand(len(members), group, q_len, kv_len)
-                    .reshape(len(members), 1, group * q_len, kv_len)
-                )
-                zeros = torch.zeros(mask.shape, dtype=self.dtype)
-                additive = zeros.masked_fill_(~mask, float("-inf")).to(self.device)
-            groups.append(
-                AttnGroup(
-                    first,
-                    len(members),
-                    q_len,
-                    block_idx,
-                    kv_len,
-                    starts,
-                    additive,
-                    flex,
-                )
-            )
+            shapes.append((first, len(members), q_len, num_blocks))
+            tables.append(self._block_idx(members, num_blocks))
+            starts.append([r.start for r in members])
             i = j
-        dev = self.device
-        hidden = self.fast(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            torch.tensor(slots, dtype=torch.long, device=dev),
-            groups,
-            self.kv,
-        )  # [N, hidden]
-        return self._logits(hidden, rows, offsets)
+        picks, spans = self._picks(rows, offsets)
+        # One copy to the device for all of it (pinned and non-blocking on CUDA).
+        staged = self.stager.stage([ids, positions, slots, picks, *tables, *starts])
+        ids_t, pos_t, slots_t, picks_t = staged[:4]
+        n = len(shapes)
+        groups = [
+            self._attn_group(first, num, q_len, staged[4 + g], nb, staged[4 + n + g])
+            for g, (first, num, q_len, nb) in enumerate(shapes)
+        ]
+        hidden = self.fast(ids_t, pos_t, slots_t, groups, self.kv)  # [N, hidden]
+        return self._logits(hidden, picks_t, spans)
+
+    # -- CUDA graphs of decode steps (cuda_graphs.py) -----------------------------------------
+    def _graph_layout(self) -> GraphLayout:
+        return GraphLayout(
+            max_blocks=self.blocks.blocks_for(self.max_model_len), block_size=self.block_size,
+            scratch_block=self.scratch_block, pad_token_id=self.pad_token_id, device=self.device,
+        )  # fmt: skip
+
+    def _decode_body(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+        starts: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """A decode step of ``B`` rows from static device buffers (what a CUDA graph captures):
+        ``tables: [B, max_blocks]``; returns ``[B, V]`` float32 logits."""
+        assert self.fast is not None
+        rows, width = tables.shape
+        group = self._attn_group(0, rows, 1, tables.view(-1), width, starts)
+        hidden = self.fast(ids, positions, slots, [group], self.kv)
+        return self._head(hidden)
 
     def _forward_padded(self, rows: list[RowInput]) -> list[torch.Tensor | None]:
         dev = self.device
@@ -302,11 +296,13 @@ class ModelRunner:
             ids[i, :n] = torch.tensor(r.token_ids, dtype=torch.long)
             positions[i, :n] = torch.arange(r.start, r.start + n)
             positions[i, n:] = r.start + n - 1  # padding: any valid position (its output is dropped)
-            slots[i, :n] = torch.tensor(self._slots(r, n), dtype=torch.long)
+            slots[i, :n] = torch.tensor(self.pool.slots(r.block_table, r.start, n), dtype=torch.long)
         num_blocks = max(self.blocks.blocks_for(r.start + len(r.token_ids)) for r in rows)
         kv_len = num_blocks * bs
         mask = torch.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
-        cache = _PagedCache(self, slots.view(-1).to(dev), self._block_idx(rows, num_blocks).to(dev), kv_len)
+        picks, spans = self._picks(rows, [i * width for i in range(num_rows)])
+        block_idx, picks_t = self.stager.stage([self._block_idx(rows, num_blocks), picks])
+        cache = PagedCache(self.kv, slots.view(-1).to(dev), block_idx, kv_len)
         out = self.base(
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
@@ -315,27 +311,19 @@ class ModelRunner:
             use_cache=True,
         )
         hidden = out.last_hidden_state.reshape(num_rows * width, -1)  # [B*T, hidden]
-        return self._logits(hidden, rows, [i * width for i in range(num_rows)])
+        return self._logits(hidden, picks_t, spans)
 
-    def _logits(
-        self, hidden: torch.Tensor, rows: list[RowInput], offsets: list[int]
-    ) -> list[torch.Tensor | None]:
-        """Logits of the positions each row asked for; ``offsets[i]``: row i's first token in ``hidden``."""
-        picks: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        for r, first in zip(rows, offsets, strict=True):
-            n = len(r.token_ids)
-            if r.logits == "none":
-                spans.append(None)
-                continue
-            cols = range(n - 1, n) if r.logits == "last" else range(n)
-            spans.append((len(picks), len(picks) + len(cols)))
-            picks += [first + c for c in cols]
-        if not picks:
-            return [None] * len(spans)
-        selected = hidden.index_select(0, torch.tensor(picks, dtype=torch.long, device=hidden.device))
+    def _head(self, selected: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(selected).float()  # [M, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        logits = logits.cpu()
+        return logits
+
+    def _logits(
+        self, hidden: torch.Tensor, picks: torch.Tensor, spans: list[tuple[int, int] | None]
+    ) -> list[torch.Tensor | None]:
+        """Logits (on the device) of the stream positions ``picks``; ``spans``: each row's part."""
+        if not picks.numel():
+            return [None] * len(spans)
+        logits = self._head(hidden.index_select(0, picks))
         return [None if s is None else logits[s[0] : s[1]] for s in spans]
