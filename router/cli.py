@@ -184,15 +184,27 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     )
 
 
+def admin_host(args: argparse.Namespace) -> str:
+    """The admin listener's address: loopback unless ``--admin-host`` says otherwise (its read-only
+    endpoints need no key, so a public bind must be asked for)."""
+    return str(args.admin_host or "127.0.0.1")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from router.errors import PolicyError
     from router.http.app import admin_listener, create_app
+    from router.http.auth import AdminKeys
     from router.http.server import uvicorn_config
 
     admin = args.admin_port > 0
     limits = server_limits(args)
     try:
-        app = create_app(args.policy, admin_separate=admin, body_timeout_s=limits.body_timeout_s)
+        app = create_app(
+            args.policy,
+            admin_separate=admin,
+            body_timeout_s=limits.body_timeout_s,
+            admin_keys=AdminKeys(args.admin_keys_file),
+        )
     except PolicyError as exc:
         return _policy_error_exit(exc)
     if app.state.auth.open and args.host not in _LOOPBACK and not args.allow_open:
@@ -209,7 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     admin_config = (
         uvicorn_config(
             admin_listener(app),
-            args.admin_host or args.host,
+            admin_host(args),
             args.admin_port,
             dataclasses.replace(limits, max_connections_per_client=0),  # operators are never capped
             lifespan="off",
@@ -321,7 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="port for /metrics, /dashboard, /schema (unauthenticated there, 404 on the API port); "
         "0 = serve them on the API port behind auth",
     )
-    p.add_argument("--admin-host", default=None, help="address of the admin port (default: --host)")
+    p.add_argument(
+        "--admin-host",
+        default=None,
+        help="address of the admin port (default: 127.0.0.1; set it to let a scraper in)",
+    )
+    p.add_argument(
+        "--admin-keys-file",
+        default=None,
+        help="file of admin keys (one per line) for POST /admin/... (also $TIERED_ROUTER_ADMIN_KEYS); "
+        "without one those endpoints answer 403",
+    )
     p.add_argument(
         "--allow-open",
         action="store_true",

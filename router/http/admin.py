@@ -9,14 +9,17 @@ missing file answers 400 and leaves routing as it was. Requests already past cla
 the score they got; the next ones use the new model (one attribute swap, atomic for readers).
 A later policy reload keeps the swapped model unless the policy's ``classifier.path`` changes.
 
-Like ``/metrics``, the path lives on the admin listener (``serve``'s default); with
-``--admin-port 0`` it is on the API port behind an API key.
+Like ``/metrics``, the path lives on the admin listener (``serve``'s default; with ``--admin-port
+0`` on the API port), and on either it needs an admin key (``serve --admin-keys-file``,
+``$TIERED_ROUTER_ADMIN_KEYS``; an API key is not one): with none configured it answers 403. A
+failed load answers one message whatever the cause, so it never tells whether a path exists.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from litestar import Request, post
@@ -25,6 +28,8 @@ from litestar.status_codes import HTTP_200_OK
 from router.errors import BadRequestError
 
 __all__ = ["ADMIN_ROUTES", "reload_classifier"]
+
+log = logging.getLogger(__name__)
 
 PROBE = "Reload probe: is this model able to score a prompt?"
 
@@ -63,8 +68,13 @@ async def reload_classifier(request: Request[Any, Any, Any]) -> dict[str, Any]:
     previous = service.classifier
     try:
         fresh = await asyncio.to_thread(_load, path, service.policy.service.classifier.device)
-    except Exception as exc:  # any load or probe failure: keep the current model
-        raise BadRequestError(f"Could not load a classifier from {path!r}: {exc}", param="path") from None
+    except Exception:  # any load or probe failure: keep the current model
+        # One answer for a missing file, an unreadable one and a broken model: the caller learns
+        # nothing about the server's filesystem; the log has the cause.
+        log.warning("classifier reload from %r failed", path, exc_info=True)
+        raise BadRequestError(
+            "Could not load a routing-score model from that path; the current model is kept.", param="path"
+        ) from None
     service.classifier = fresh
     telemetry = getattr(request.app.state, "telemetry", None)
     counter = getattr(telemetry, "classifier_reloads", None)

@@ -17,7 +17,7 @@ from litestar.openapi import OpenAPIConfig
 
 from router.backends.tierset import TierSet
 from router.http.admin import ADMIN_ROUTES
-from router.http.auth import Authenticator
+from router.http.auth import AdminKeys, Authenticator
 from router.http.lifespan import make_lifespan
 from router.http.messages_api import MESSAGES_ROUTES
 from router.http.middleware import admin_listener, router_middleware
@@ -37,6 +37,7 @@ def create_app(
     reload_interval_s: float = 0.5,
     admin_separate: bool = False,
     body_timeout_s: float = 30.0,
+    admin_keys: AdminKeys | None = None,
 ) -> Litestar:
     """Build the app for ``policy_path`` (validated now: a broken file raises ``PolicyError``).
 
@@ -44,6 +45,8 @@ def create_app(
     ``admin_separate``: operator endpoints (``/metrics``, ``/dashboard``, ``/schema``) are served
     only through ``admin_listener(app)`` on another port; otherwise they need an API key.
     ``body_timeout_s``: longest pause between two request body chunks (408 past it).
+    ``admin_keys``: who may call ``/admin/...`` (classifier reload), on either port; by default
+    only ``$TIERED_ROUTER_ADMIN_KEYS``, and with no key set those endpoints are closed (403).
     """
     policy = load_policy(policy_path)
     auth = Authenticator.from_policy(policy)
@@ -69,6 +72,7 @@ def create_app(
                 "auth": auth,
                 "admin_separate": admin_separate,
                 "body_timeout_s": body_timeout_s,
+                "admin_keys": admin_keys or AdminKeys(),
                 "response_store": ResponseStore(),
             }
         ),

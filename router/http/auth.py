@@ -29,11 +29,13 @@ if TYPE_CHECKING:
 
     from router.policy.schema import AuthConfig, Policy
 
-__all__ = ["ApiKeys", "Authenticator", "Caller"]
+__all__ = ["ADMIN_KEYS_ENV", "AdminKeys", "ApiKeys", "Authenticator", "Caller"]
 
 log = logging.getLogger(__name__)
 
 MAX_TENANT_CHARS = 64
+ADMIN_KEYS_ENV = "TIERED_ROUTER_ADMIN_KEYS"
+"""Environment variable with admin keys (one per line or comma-separated), beside ``--admin-keys-file``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,3 +212,33 @@ class Authenticator:
         tenant, fingerprint = found
         tenant = tenant or header_tenant
         return Caller(tenant, tenant or fingerprint)
+
+
+class AdminKeys:
+    """The keys that may call state-changing admin endpoints (``/admin/...``): their own set, apart
+    from the API keys, from a file (a mounted Secret, re-read on every admin call, so rotation needs
+    no restart) and/or ``$TIERED_ROUTER_ADMIN_KEYS``. With none configured those endpoints are closed."""
+
+    def __init__(self, file: str | None = None, env: str = ADMIN_KEYS_ENV) -> None:
+        self.file = file
+        self.env = env
+
+    def _keys(self) -> ApiKeys:
+        entries = ApiKeys.parse(os.environ.get(self.env, ""))
+        if self.file:
+            try:
+                entries.update(ApiKeys.parse(Path(self.file).read_text(encoding="utf-8")))
+            except (OSError, UnicodeDecodeError) as exc:
+                log.error("auth: admin keys file %s cannot be read (%s)", self.file, type(exc).__name__)
+        return ApiKeys(entries)
+
+    def check(self, headers: Mapping[str, str]) -> bool | None:
+        """True for a valid admin key, False for a missing or wrong one, None when no admin key is
+        configured (admin actions disabled)."""
+        keys = self._keys()
+        if not keys.enabled:
+            return None
+        authorization = headers.get("authorization")
+        if not authorization and headers.get("x-api-key"):
+            authorization = "Bearer " + headers["x-api-key"]
+        return keys.lookup(authorization) is not None

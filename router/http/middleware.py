@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from litestar import Litestar
     from litestar.datastructures import State
 
-    from router.http.auth import Authenticator
+    from router.http.auth import AdminKeys, Authenticator
     from router.telemetry import Telemetry
 
 __all__ = ["LISTENER_KEY", "MAX_HEADER_BYTES", "admin_listener", "is_operator_path", "router_middleware"]
@@ -76,7 +76,18 @@ def router_middleware(app: Any) -> Any:
             await send_error(send, err)
             return
         operator = is_operator_path(path)
-        if scope.get(LISTENER_KEY) == "admin":
+        on_admin = scope.get(LISTENER_KEY) == "admin"
+        if path.startswith("/admin/") and (on_admin or not state.admin_separate):
+            # State-changing operator actions: an admin key, on either listener (an API key is not
+            # one), and the body limits of any other request.
+            refused = _admin_refusal(state.admin_keys, raw_headers)
+            if refused is not None:
+                await send_error(send, refused, path)
+                return
+            limit = state.service.policy.service.max_body_bytes
+            await app(scope, _limited(receive, limit, state.body_timeout_s), send)
+            return
+        if on_admin:
             if not (operator or path in PUBLIC_PATHS):
                 await send_error(send, _not_found(path))
                 return
@@ -151,6 +162,25 @@ def _header(raw: list[tuple[bytes, bytes]], name: bytes) -> str | None:
         if k.lower() == name:
             return v.decode("latin-1")
     return None
+
+
+def _admin_refusal(keys: AdminKeys, raw: list[tuple[bytes, bytes]]) -> RouterError | None:
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+    verdict = keys.check(headers)
+    if verdict:
+        return None
+    if verdict is None:
+        err = RouterError(
+            "Admin actions are disabled: no admin key is configured (serve --admin-keys-file, or "
+            "$TIERED_ROUTER_ADMIN_KEYS).",
+            code="admin_disabled",
+        )
+        err.status_code, err.error_type = 403, "permission_error"
+        return err
+    return AuthError(
+        "Incorrect or missing admin key. Provide it as 'Authorization: Bearer <key>'.",
+        code="invalid_admin_key",
+    )
 
 
 def _not_found(path: str) -> RouterError:

@@ -26,6 +26,7 @@ from classifier.cli import main as classifier_main
 from classifier.validation.judge import exact_match, judge_rows, normalize, number_match
 from classifier.validation.outcomes import load_outcomes
 from router.http.app import admin_listener
+from router.http.auth import AdminKeys
 from router.pipeline.shadow import ShadowRecorder, shadow_row
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, free_port, start_server
@@ -97,7 +98,9 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     path = tmp_path_factory.mktemp("loop") / "policy.yaml"
     path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False))
     yaml.safe_load(path.read_text())  # valid YAML
-    srv, stop = start_server(path, admin_separate=True)
+    keys = tmp_path_factory.mktemp("admin-keys") / "admin-keys"
+    keys.write_text("sk-admin\n")
+    srv, stop = start_server(path, admin_separate=True, admin_keys=AdminKeys(str(keys)))
     port = free_port()
     admin = uvicorn.Server(
         uvicorn.Config(
@@ -114,6 +117,9 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     admin.should_exit = True
     thread.join(30)
     stop()
+
+
+ADMIN = {"authorization": "Bearer sk-admin"}
 
 
 def _route(srv: Server, prompt: str) -> dict[str, Any]:
@@ -185,13 +191,15 @@ def test_judged_shadow_pairs_retrain_and_reload_without_restart(
     )
 
     # 4. Swap it in through the admin port - no restart - and route again.
-    bad = httpx.post(admin + "/admin/classifier/reload", json={"path": str(tmp_path / "nope")}, timeout=30)
+    bad = httpx.post(
+        admin + "/admin/classifier/reload", headers=ADMIN, json={"path": str(tmp_path / "nope")}, timeout=30
+    )
     assert bad.status_code == 400 and _route(srv, poem) == before[poem]  # a broken path changes nothing
     assert (
         httpx.post(srv.url + "/admin/classifier/reload", json={"path": str(out)}, timeout=30).status_code
         == 404
     )
-    r = httpx.post(admin + "/admin/classifier/reload", json={"path": str(out)}, timeout=60)
+    r = httpx.post(admin + "/admin/classifier/reload", headers=ADMIN, json={"path": str(out)}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["path"] == str(out / "model.onnx") and r.json()["previous"]["path"].endswith(
         "artifacts/model.onnx"
@@ -204,5 +212,5 @@ def test_judged_shadow_pairs_retrain_and_reload_without_restart(
     assert after[sums]["tier"] == "small" and after[sums]["score"] < after[poem]["score"]
 
     # 6. No body: back to the policy's classifier (the shipped artifact), as before the swap.
-    assert httpx.post(admin + "/admin/classifier/reload", timeout=60).status_code == 200
+    assert httpx.post(admin + "/admin/classifier/reload", headers=ADMIN, timeout=60).status_code == 200
     assert _route(srv, poem)["tier"] == before[poem]["tier"]

@@ -555,6 +555,23 @@ def test_auth_secret_mounted_as_directory(multi: Rendered, render: Callable[...,
     assert r.env["ROUTER_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "tokens"}
 
 
+def test_admin_keys_secret_mounted_and_passed(default: Rendered, render: Callable[..., Rendered]) -> None:
+    """Catches the admin-keys Secret mounted but never handed to ``serve`` (admin actions would stay
+    closed), or passed without its mount; and by default neither (admin actions closed, 403)."""
+    assert "--admin-keys-file" not in default.container["args"]
+    r = render({"adminKeys": {"existingSecret": "ops-keys", "secretKey": "k"}})
+    assert r.volume("admin-keys")["secret"] == {
+        "secretName": "ops-keys",
+        "defaultMode": 0o440,
+        "items": [{"key": "k", "path": "admin-keys"}],
+    }
+    mount = r.mount("admin-keys")
+    args = r.container["args"]
+    path = args[args.index("--admin-keys-file") + 1]
+    assert path == mount["mountPath"] + "/admin-keys" and "subPath" not in mount
+    assert args[args.index("--admin-host") + 1] == "0.0.0.0"  # set explicitly for the scraper
+
+
 # -- scaling and disruption -------------------------------------------------------------------------
 def test_replicas_and_hpa(default: Rendered, multi: Rendered) -> None:
     assert default.deployment["spec"]["replicas"] == 1

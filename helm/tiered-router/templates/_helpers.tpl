@@ -74,6 +74,7 @@ Fixed paths inside the container: the service and the policy's api_keys_file rel
 {{- define "tiered-router.policyDir" -}}/etc/tiered-router/policy{{- end }}
 {{- define "tiered-router.policyPath" -}}/etc/tiered-router/policy/policy.yaml{{- end }}
 {{- define "tiered-router.keysDir" -}}/etc/tiered-router/keys{{- end }}
+{{- define "tiered-router.adminKeysDir" -}}/etc/tiered-router/admin-keys{{- end }}
 
 {{/*
 Name of the ConfigMap holding policy.yaml.
