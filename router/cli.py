@@ -58,14 +58,15 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 def _unknown_key_tenants(policy: Policy) -> list[str]:
     """A line per tenant that the keys (where readable here) name but ``tenants`` does not: it
     gets ``tenants.default``'s caps, or the tiers every named tenant shares (never all of them)."""
-    from router.http.auth import load_entries
+    from router.http.auth import GATEWAY_TENANT, load_entries
     from router.policy.decide import unknown_tenant_tiers
 
     auth = policy.service.auth
     if auth.mode != "keys":
         return []
     entries, _ = load_entries(auth)
-    unknown = sorted({t for t in entries.values() if t is not None and t not in policy.tenants})
+    named = {t for t in entries.values() if t is not None and t != GATEWAY_TENANT}
+    unknown = sorted(named - set(policy.tenants))
     tiers = unknown_tenant_tiers(policy)
     caps = "all tiers" if tiers is None else "tiers " + ", ".join(tiers)
     return [f"tenants.{t}: named by an API key but not in the policy; it gets {caps}" for t in unknown]
@@ -166,9 +167,6 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The ``serve`` options' HTTP limits (both listeners take them; the admin one uncapped)."""
     from router.http.server import ServerLimits
@@ -193,7 +191,7 @@ def admin_host(args: argparse.Namespace) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from router.errors import PolicyError
     from router.http.app import admin_listener, create_app
-    from router.http.auth import AdminKeys
+    from router.http.auth import AdminKeys, refused_on_bind
     from router.http.server import uvicorn_config
 
     admin = args.admin_port > 0
@@ -207,7 +205,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except PolicyError as exc:
         return _policy_error_exit(exc)
-    if app.state.auth.open and args.host not in _LOOPBACK and not args.allow_open:
+    app.state.bind = (args.host, args.allow_open)  # policy reloads are held to the same rule
+    if refused_on_bind(app.state.auth.config, args.host, args.allow_open):
         print(
             f"refusing to serve {args.policy} without auth on {args.host}: its service.auth.mode is "
             "'open'. Bind to 127.0.0.1, configure API keys (mode: keys), or pass --allow-open.",

@@ -8,8 +8,10 @@
 - ``open``: no auth, for a development server on loopback (``make run``).
 
 The tenant comes from the key only. ``x-tenant`` is honoured solely behind an explicit
-``trust_tenant_header`` (a gateway in front authenticates callers and sets it), and then only
-when the key names no tenant.
+``trust_tenant_header`` (a gateway in front authenticates callers and sets it), and then only for
+a gateway key: one whose tenant is ``*`` (``key:*``), which may act for any tenant. A key without
+a tenant is its own caller whatever ``x-tenant`` says, so it can neither read another tenant's
+partition nor mint a fresh rate bucket per header value.
 """
 
 from __future__ import annotations
@@ -29,11 +31,23 @@ if TYPE_CHECKING:
 
     from router.policy.schema import AuthConfig, Policy
 
-__all__ = ["ADMIN_KEYS_ENV", "AdminKeys", "ApiKeys", "Authenticator", "Caller"]
+__all__ = [
+    "ADMIN_KEYS_ENV",
+    "GATEWAY_TENANT",
+    "LOOPBACK",
+    "AdminKeys",
+    "ApiKeys",
+    "Authenticator",
+    "Caller",
+    "refused_on_bind",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_TENANT_CHARS = 64
+GATEWAY_TENANT = "*"
+"""A key's tenant field that marks a gateway key (``key:*``): its tenant comes from ``x-tenant``."""
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 ADMIN_KEYS_ENV = "TIERED_ROUTER_ADMIN_KEYS"
 """Environment variable with admin keys (one per line or comma-separated), beside ``--admin-keys-file``."""
 
@@ -120,6 +134,18 @@ def load_entries(auth: AuthConfig) -> tuple[dict[str, str | None], list[str]]:
     if not auth.api_keys_env and not auth.api_keys_file:
         problems.append("neither service.auth.api_keys_env nor service.auth.api_keys_file is set")
     return entries, problems
+
+
+def refused_on_bind(auth: AuthConfig, host: str, allow_open: bool) -> str | None:
+    """Why ``auth`` may not serve on ``host`` (None: it may): an open service on a non-loopback
+    address without ``--allow-open``. The same rule at start and at every policy reload, so a
+    reload can never open what start refused."""
+    if auth.mode == "open" and host not in LOOPBACK and not allow_open:
+        return (
+            f"mode is 'open' on {host}: bind to 127.0.0.1, configure API keys (mode: keys), or "
+            "start with --allow-open"
+        )
+    return None
 
 
 class Authenticator:
@@ -210,7 +236,8 @@ class Authenticator:
         if found is None:
             return None
         tenant, fingerprint = found
-        tenant = tenant or header_tenant
+        if tenant == GATEWAY_TENANT:  # a gateway acts for the tenant it names, else as itself
+            tenant = header_tenant
         return Caller(tenant, tenant or fingerprint)
 
 

@@ -8,7 +8,10 @@ draft: built in the background while the old ones keep serving, retired when the
 is done), the response cache when its settings changed, the classifier when its path changed, and
 telemetry's ``record_content``; ``max_body_bytes`` and routing are read live from the policy. Then
 all of it is swapped in one step on the event loop. A broken edit changes nothing: the errors are
-logged and ``router_policy_reload_failures_total`` rises. Requests already decided keep their
+logged and ``router_policy_reload_failures_total`` rises; so does an edit that start would have
+refused on this bind (auth ``open`` on a public address without ``--allow-open``). A classifier
+swapped in through the admin port while an edit builds stays unless the edit changes
+``service.classifier``. Requests already decided keep their
 tier and finish under the policy they started with (their cache entry is keyed on that decision).
 
 A loop of its own re-reads the API keys file, so rotated and revoked keys apply within a tick,
@@ -29,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from router.backends.base import engine_key
 from router.backends.local import LocalTier
 from router.backends.tierset import build_tiers
-from router.errors import PolicyError
-from router.http.auth import Authenticator
+from router.errors import PolicyError, PolicyIssue
+from router.http.auth import Authenticator, refused_on_bind
 from router.policy.loader import parse_policy
 
 if TYPE_CHECKING:
@@ -63,13 +66,17 @@ async def apply_policy(app: Any, new: Policy) -> None:
     service: RouterService = state.service
     old_policy = service.policy
     old_tiers = service.tiers
+    bind = getattr(state, "bind", None)  # (host, allow_open) of the API listener, set by ``serve``
+    refusal = refused_on_bind(new.service.auth, *bind) if bind is not None else None
+    if refusal is not None:
+        raise PolicyError(new.source, [PolicyIssue("service.auth.mode", refusal)])
     auth = Authenticator.from_policy(new)  # first: a keys mode without keys must not swap anything
     cache = service.cache
     if new.service.cache != old_policy.service.cache:
         from router.pipeline.cache import build_cache
 
         cache = await asyncio.to_thread(build_cache, new, state.telemetry)
-    classifier = service.classifier
+    classifier = None  # None: the policy does not change it; keep whatever serves at the swap
     if new.service.classifier != old_policy.service.classifier and not getattr(
         state, "classifier_injected", False
     ):
@@ -95,7 +102,11 @@ async def apply_policy(app: Any, new: Policy) -> None:
         # a grammar) sees this and goes to the new tier instead (RouterService._submit).
         backend.retired = True
     old_cache = service.cache
-    service.policy, service.tiers, service.cache, service.classifier = new, tiers, cache, classifier
+    service.policy, service.tiers, service.cache = new, tiers, cache
+    if classifier is not None:
+        # Only a changed ``classifier`` setting replaces the model: one swapped in through the
+        # admin port while this reload built its tiers stays.
+        service.classifier = classifier
     state.auth = auth
     state.telemetry.record_content = new.service.telemetry.record_content
     loop = asyncio.get_running_loop()

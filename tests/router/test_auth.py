@@ -178,9 +178,19 @@ def test_x_tenant_is_ignored_unless_trusted() -> None:
     assert strict.authenticate({"x-tenant": "acme"}) == Caller(None, None)
     trusted = Authenticator(AuthConfig(mode="open", trust_tenant_header=True), ApiKeys({}))
     assert trusted.authenticate({"x-tenant": "acme"}) == Caller("acme", "acme")
-    keyed = Authenticator(AuthConfig(trust_tenant_header=True), ApiKeys({"k1": "t1", "k2": None}))
+    keyed = Authenticator(AuthConfig(trust_tenant_header=True), ApiKeys({"k1": "t1", "k2": None, "gw": "*"}))
     assert keyed.authenticate({"authorization": "Bearer k1", "x-tenant": "acme"}) == Caller("t1", "t1")
-    assert keyed.authenticate({"authorization": "Bearer k2", "x-tenant": "acme"}) == Caller("acme", "acme")
+    # Issue 55: a tenant-less key is not a master key - x-tenant does not move it into "acme".
+    fp = ApiKeys({"k2": None}).lookup("Bearer k2")
+    assert fp is not None
+    assert keyed.authenticate({"authorization": "Bearer k2", "x-tenant": "acme"}) == Caller(None, fp[1])
+    # Only a gateway key (tenant ``*``) acts for the tenant it names; without one, as itself.
+    assert keyed.authenticate({"authorization": "Bearer gw", "x-tenant": "acme"}) == Caller("acme", "acme")
+    gw = ApiKeys({"gw": "*"}).lookup("Bearer gw")
+    assert gw is not None
+    assert keyed.authenticate({"authorization": "Bearer gw"}) == Caller(None, gw[1])
+    untrusted = Authenticator(AuthConfig(), ApiKeys({"gw": "*"}))
+    assert untrusted.authenticate({"authorization": "Bearer gw", "x-tenant": "acme"}) == Caller(None, gw[1])
     assert keyed.authenticate({"x-tenant": "acme"}) is None
 
 

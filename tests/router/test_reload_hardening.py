@@ -138,3 +138,60 @@ def test_a_revoked_key_is_refused_while_an_engine_rebuild_is_in_progress(
     finally:
         release.set()
         stop()
+
+
+def test_a_reload_can_never_open_what_start_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 55. Bug: ``--allow-open`` was checked only at start, so editing a keys-mode policy to
+    ``mode: open`` on a public bind switched authentication off. The edit is refused (counted) and
+    the keys stay in force; on loopback the same edit applies."""
+    path = tmp_path / "policy.yaml"
+    os.environ["TEST_RELOAD_BIND_KEYS"] = "sk-only"
+    keyed = "{mode: keys, api_keys_env: TEST_RELOAD_BIND_KEYS}"
+    path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False, auth=keyed))
+    srv, stop = start_server(path, reload_interval_s=0.1)
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        srv.app.state.bind = ("0.0.0.0", False)  # what ``serve --host 0.0.0.0`` records
+        failures = srv.app.state.telemetry.policy_reload_failures
+        before = failures._value.get()
+        path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False, auth="{mode: open}"))
+        _wait(lambda: failures._value.get() > before, 10)
+        assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 401
+        assert srv.app.state.auth.open is False
+        srv.app.state.bind = ("127.0.0.1", False)
+        path.write_text(tiny_policy_yaml(tiny_model_dir, cache_enabled=False, auth="{mode: open} "))
+        _wait(lambda: srv.app.state.auth.open, 10)
+        assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 200
+    finally:
+        stop()
+
+
+def test_an_admin_classifier_swap_during_a_policy_reload_stays(
+    served: tuple[Server, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 55. Bug: ``apply_policy`` captured the classifier before building the tiers and wrote
+    that one back at the swap, silently undoing a ``/admin/classifier/reload`` made meanwhile."""
+    import router.http.reload
+
+    srv, path, model = served
+    service = srv.app.state.service
+    building, release = threading.Event(), threading.Event()
+    build = router.http.reload.build_tiers
+
+    def slow_build(*args: Any, **kwargs: Any) -> Any:
+        building.set()
+        release.wait(60)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(router.http.reload, "build_tiers", slow_build)
+    reloads = srv.app.state.telemetry.policy_reloads
+    before = reloads._value.get()
+    path.write_text(tiny_policy_yaml(model, cache_enabled=False, max_num_seqs=6))  # new engines
+    assert building.wait(20)
+    swapped = object.__new__(type(service.classifier))
+    swapped.__dict__.update(service.classifier.__dict__)  # an admin reload's fresh model object
+    service.classifier = swapped
+    release.set()
+    _wait(lambda: reloads._value.get() > before, 30)
+    assert service.policy.tiers["small"].max_num_seqs == 6  # the edit applied
+    assert service.classifier is swapped
