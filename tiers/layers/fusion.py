@@ -63,6 +63,7 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
         if any(
             m.group_size != first.group_size
             or m._packed_cpu != first._packed_cpu
+            or m._packed_cuda != first._packed_cuda
             or m.int8_activations != first.int8_activations
             or m._w4a8_packed != first._w4a8_packed
             for m in mods
@@ -76,7 +77,9 @@ def fuse_linears(mods: list[Any]) -> nn.Module | None:
         q4 = Int4WeightOnlyLinear.__new__(Int4WeightOnlyLinear)
         nn.Module.__init__(q4)
         q4.group_size, q4.in_features, q4.out_features = first.group_size, first.in_features, out_features
-        q4._packed_cpu = first._packed_cpu
+        # CUDA's tinygemm layout is major in tiles of 8 output channels (pack_int4 checks whole
+        # tiles), so its parts concatenate along them.
+        q4._packed_cpu, q4._packed_cuda = first._packed_cpu, first._packed_cuda
         q4.int8_activations, q4._w4a8_packed = first.int8_activations, first._w4a8_packed
         q4.register_buffer("weight_q", torch.cat([m.weight_q for m in mods]))
         q4.register_buffer("scales_and_zeros", torch.cat([m.scales_and_zeros for m in mods], dim=1))

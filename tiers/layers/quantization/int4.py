@@ -3,7 +3,10 @@ activations per group (W4A8), torch's packed CPU layout and the tiled kernel's r
 W4A8 packing, and a bitwise torch reference.
 
 On the CPU the packed kernels (``_weight_int4pack_mm_for_cpu``, ``tiered_router::int4_mm``,
-``tiered_router::w4a8_mm``) run; elsewhere the weight is dequantized per call.
+``tiered_router::w4a8_mm``) run. On CUDA the weight stays packed in torch's tinygemm layout
+(``_convert_weight_to_int4pack`` of two values per byte, ``_weight_int4pack_mm`` with bf16
+activations, the same ``scales_and_zeros``): ``pack_int4`` is one function whose device is the only
+difference. W4A8 has no CUDA kernel and is refused there; elsewhere the weight is dequantized per call.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ __all__ = [
     "INT4_CPU_PACK_BLOCK",
     "TILED_INT4_MIN_ROWS",
     "Int4WeightOnlyLinear",
+    "cuda_inner_k_tiles",
     "int4_direct_call",
+    "int4_nibbles",
+    "pack_int4",
     "pack_w4a8",
     "w4a8_reference",
 ]
@@ -74,6 +80,41 @@ def _int4_cpu_call(out_features: int, wq: torch.Tensor, gs: int, sz: torch.Tenso
     if tiled is None:
         return lambda x: torch_op(x, wq, gs, sz)
     return lambda x: (tiled if x.shape[0] >= min_rows else torch_op)(x, wq, gs, sz)
+
+
+INT4_CUDA_GROUP_SIZES = (32, 64, 128, 256)
+"""Group sizes ``_weight_int4pack_mm`` takes on CUDA."""
+
+
+def int4_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int4 values ``q: [N, K]`` (0..15) two per byte, as ``_convert_weight_to_int4pack`` takes them
+    on CUDA: ``uint8 [N, K / 2]``, column ``2j`` in the high nibble and ``2j + 1`` in the low one."""
+    q = q.to(torch.int32)
+    return ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+
+
+def cuda_inner_k_tiles(in_features: int) -> int:
+    """The widest of the tinygemm layout's inner K tiles (8, 4 or 2, of 16 inputs each) that
+    divides ``in_features``."""
+    for tiles in (8, 4, 2):
+        if in_features % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"int4 on CUDA needs in_features in multiples of 32 (got {in_features})")
+
+
+def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``q: int [N, K]`` (0..15) in the packed layout of ``q``'s device: the CPU's
+    (``_convert_weight_to_int4pack_for_cpu``, one value per int32 in) or CUDA's tinygemm layout
+    (``_convert_weight_to_int4pack`` of ``int4_nibbles``, ``cuda_inner_k_tiles`` wide)."""
+    if q.device.type == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    n, k = q.shape
+    if n % 8 or group_size not in INT4_CUDA_GROUP_SIZES:
+        raise ValueError(
+            f"int4 on CUDA needs out_features in multiples of 8 and a group size in "
+            f"{INT4_CUDA_GROUP_SIZES} (got {n} outputs, group {group_size})"
+        )
+    return torch._convert_weight_to_int4pack(int4_nibbles(q), cuda_inner_k_tiles(k))
 
 
 W4A8_BLOCK = 32
@@ -136,6 +177,11 @@ class Int4WeightOnlyLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group_size: int = 32, *, int8_activations: bool = False) -> None:
         super().__init__()
         out_f, in_f = linear.weight.shape
+        if int8_activations and linear.weight.device.type == "cuda":
+            raise ValueError(
+                "int4 weights with int8 activations (W4A8) have no CUDA kernel here: it would "
+                "dequantize every call; use activation_quantization: none (int4, packed) on CUDA"
+            )
         if in_f % group_size:
             raise ValueError(f"in_features {in_f} is not a multiple of group_size {group_size}")
         w = linear.weight.detach().to(torch.float32).reshape(out_f, in_f // group_size, group_size)
@@ -152,11 +198,15 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.int8_activations = int8_activations
-        # The packed CPU kernel wants its own layout; other devices keep q as uint8 [out, in] and
-        # dequantize per call. Quantize after the model is on its device.
-        self._packed_cpu = linear.weight.device.type == "cpu"
+        # The packed kernels want their device's layout (pack_int4); other devices keep q as uint8
+        # [out, in] and dequantize per call. Quantize after the model is on its device.
+        device = linear.weight.device.type
+        self._packed_cpu = device == "cpu"
+        self._packed_cuda = device == "cuda" and not int8_activations
         self._w4a8_packed = False
-        if int8_activations:
+        if self._packed_cuda:
+            self.register_buffer("weight_q", pack_int4(q, group_size))
+        elif int8_activations:
             fits = out_f % W4A8_BLOCK == 0 and group_size % 16 == 0
             self._w4a8_packed = self._packed_cpu and fits and _w4a8_op() is not None
             self._packed_cpu = False
@@ -186,6 +236,11 @@ class Int4WeightOnlyLinear(nn.Module):
         elif self._packed_cpu and x.device.type == "cpu":
             call = _int4_cpu_call(self.out_features, self.weight_q, self.group_size, self.scales_and_zeros)
             y = call(x2.to(torch.bfloat16)).to(x.dtype)
+        elif self._packed_cuda:
+            xb = x2.to(torch.bfloat16).contiguous()
+            y = torch._weight_int4pack_mm(xb, self.weight_q, self.group_size, self.scales_and_zeros).to(
+                x.dtype
+            )
         else:
             y = x2 @ self._dequantized(x.dtype, self.weight_q).T
         if self.bias is not None:
@@ -204,4 +259,7 @@ def int4_direct_call(mod: Int4WeightOnlyLinear, dtype: torch.dtype) -> Callable[
         return lambda x: w4a8(x.contiguous(), w, gs, sz)
     if mod._packed_cpu:
         return _int4_cpu_call(int(mod.out_features), mod.weight_q, mod.group_size, mod.scales_and_zeros)
+    if getattr(mod, "_packed_cuda", False):
+        w, gs, sz = mod.weight_q, mod.group_size, mod.scales_and_zeros
+        return lambda x: torch._weight_int4pack_mm(x.contiguous(), w, gs, sz)
     return None

@@ -2,7 +2,10 @@
 int8 activations per group (W8A8), their packing for the CPU kernels, and bitwise torch references.
 
 On the CPU with bf16 activations ``tiered_router::w8_linear`` runs where built (batch-invariant),
-else torch's ``_weight_int8pack_mm``; elsewhere the weight is dequantized per call.
+else torch's ``_weight_int8pack_mm``. On CUDA the weight-only layer runs ``_weight_int8pack_mm``
+where this torch has a CUDA kernel for it (probed once) and is refused otherwise, as W8A8 is (no
+CUDA kernel here: either would dequantize every call, more bytes than bf16); elsewhere the weight
+is dequantized per call.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, *, int8_activations: bool = False, group_size: int = 32) -> None:
         super().__init__()
+        if linear.weight.device.type == "cuda":
+            _refuse_on_cuda(int8_activations)
         w = linear.weight.detach().to(torch.float32)
         # scale: [out] so that max |w| of each row maps to 127.
         scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
@@ -77,6 +82,9 @@ class Int8WeightOnlyLinear(nn.Module):
             else:
                 y = w8a8_reference(x2, self.weight_q, self.group_size, scale)
             y = y.to(x.dtype)
+        elif x.device.type == "cuda":
+            xb = x2.to(torch.bfloat16).contiguous()
+            y = torch._weight_int8pack_mm(xb, self.weight_q, self.scale.to(torch.bfloat16)).to(x.dtype)
         elif x.device.type == "cpu" and x.dtype == torch.bfloat16:
             op = _w8_linear_op() or torch._weight_int8pack_mm
             y = op(x2.contiguous(), self.weight_q, self.scale.to(x.dtype))
@@ -85,6 +93,24 @@ class Int8WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def _refuse_on_cuda(int8_activations: bool) -> None:
+    """A clear error where int8 would dequantize every call on CUDA."""
+    hint = "use int4 (packed on CUDA) or no quantization on this device"
+    if int8_activations:
+        raise ValueError(f"int8 weights with int8 activations (W8A8) have no CUDA kernel here: {hint}")
+    try:
+        w = torch.zeros((8, 32), dtype=torch.int8, device="cuda")
+        torch._weight_int8pack_mm(
+            torch.zeros((1, 32), dtype=torch.bfloat16, device="cuda"),
+            w,
+            torch.ones(8, device="cuda", dtype=torch.bfloat16),
+        )
+    except (NotImplementedError, RuntimeError) as e:
+        raise ValueError(
+            f"this torch has no CUDA kernel for int8 weight-only matmuls ({e}): {hint}"
+        ) from None
 
 
 W8A8_ALIGN = 64
