@@ -2,9 +2,9 @@
 
 Unknown-field policy: every field of OpenAI's API reference is declared here and either honoured
 or refused with a 400 naming it (``validate_chat`` / ``validate_completion`` in
-``router.openai.request``, which turns a body into the typed request). A top-level field
-that is neither OpenAI's nor one of the declared extensions (``VLLM_EXTENSIONS``) is
-refused too, with OpenAI's own message
+``router.openai.validation``, run as ``router.openai.request`` turns a body into the typed
+request). A top-level field that is neither OpenAI's nor one of the declared extensions
+(``VLLM_EXTENSIONS``) is refused too, with OpenAI's own message
 ("Unrecognized request argument supplied: <name>"): a misspelt ``respone_format`` must not return
 a 200 that silently ignores it. Inside ``messages`` unknown keys are ignored, because clients send
 assistant messages back with response-only keys (``annotations``, ``refusal``, ``audio: null``).

@@ -1,7 +1,7 @@
 """How often a caller may ask: ``TenantLimiter`` keeps each caller's requests and tokens per
 minute (a tenant's ``rate_limit_rpm`` / ``rate_limit_tpm``), checked before routing. What one
 request may ask (policy ``service.limits``) is checked when its body is parsed
-(``router.openai.request.check_limits``).
+(``router.openai.bounds.check_limits``).
 """
 
 from __future__ import annotations

@@ -379,7 +379,7 @@ class FeedbackConfig:
 @dataclass(slots=True)
 class LimitsConfig:
     """What one request may ask of the service, checked as the body is parsed
-    (router/openai/request.py); past a bound it is a 400 that names the limit. Each bounds work
+    (router/openai/bounds.py); past a bound it is a 400 that names the limit. Each bounds work
     that grows with the request and that no client should be able to make everyone else wait for."""
 
     max_logit_bias: int = 300

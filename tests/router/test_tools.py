@@ -16,7 +16,7 @@ import torch
 from router.errors import BadRequestError
 from router.openai.json_schema import check_strict_schema, close_objects
 from router.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from router.openai.request import Generation, validate_chat
+from router.openai.request import Generation
 from router.openai.schemas import ChatCompletionRequest, ChatMessage
 from router.openai.structured import (
     OutputSpec,
@@ -29,6 +29,7 @@ from router.openai.structured import (
     tool_grammar,
 )
 from router.openai.tools import ToolCallStreamer, parse_tool_calls
+from router.openai.validation import validate_chat
 from router.openai.writer import ChoiceBuilder, Merged
 from tiers.core.output import StepOutput, TokenLogprob
 from tiers.sample.grammar import GrammarCompiler, compiler_for
