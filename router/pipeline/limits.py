@@ -1,14 +1,22 @@
 """How often a caller may ask: ``TenantLimiter`` keeps each caller's requests and tokens per
 minute (a tenant's ``rate_limit_rpm`` / ``rate_limit_tpm``), checked before routing. What one
 request may ask (policy ``service.limits``) is checked when its body is parsed
-(``router.openai.bounds.check_limits``).
+(``router.openai.bounds.check_limits``). ``identify`` / ``check_rate`` / ``check_tokens`` apply a
+caller's limits as the service admits its request.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-__all__ = ["MAX_BUCKETS", "TenantLimiter"]
+from router.errors import RateLimitError
+
+if TYPE_CHECKING:
+    from router.openai.request import CallContext, Generation
+    from router.policy.schema import Policy
+
+__all__ = ["MAX_BUCKETS", "TenantLimiter", "check_rate", "check_tokens", "identify"]
 
 MAX_BUCKETS = 100_000
 """Callers whose buckets are kept at most (a few MB); beyond, refilled and idle ones are dropped."""
@@ -55,3 +63,68 @@ class TenantLimiter:
             return (need - tokens) * 60.0 / per_minute
         self._buckets[key] = (tokens - cost, t)
         return None
+
+
+def identify(ctx: CallContext, policy: Policy) -> None:
+    """Fill the caller's metric label and rate-limit identity from its (authenticated) tenant."""
+    tenant = ctx.tenant
+    if tenant is None:
+        ctx.tenant_label = "-"
+    else:
+        ctx.tenant_label = tenant if tenant in policy.tenants else "other"
+    if ctx.principal is None:
+        ctx.principal = tenant
+
+
+def check_rate(limiter: TenantLimiter, policy: Policy, ctx: CallContext) -> None:
+    """Per caller: the tenant's own ``rate_limit_rpm``, else ``service.auth.rate_limit_rpm``
+    for every other caller (a tenant the policy does not name, or a key without a tenant)."""
+    if ctx.principal is None:
+        return
+    cfg = policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
+    if cfg is None and ctx.tenant is not None:  # a tenant the policy does not name
+        cfg = policy.tenants.get("default")
+    rpm = cfg.rate_limit_rpm if cfg is not None and cfg.rate_limit_rpm is not None else None
+    if rpm is None:
+        rpm = policy.service.auth.rate_limit_rpm
+    if rpm is None:
+        return
+    wait = limiter.check(ctx.principal, rpm)
+    if wait is not None:
+        who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
+        raise RateLimitError(f"Rate limit reached for {who}.", retry_after=max(1.0, wait))
+
+
+def check_tokens(
+    limiter: TenantLimiter,
+    policy: Policy,
+    ctx: CallContext,
+    gen: Generation,
+    prompt_tokens: int,
+    default_max: int,
+) -> None:
+    """The caller's ``rate_limit_tpm``: prompt tokens plus n x max_tokens, charged at admission
+    (after the cache: a hit costs nothing). Its own bucket, beside the requests'."""
+    if ctx.principal is None:
+        return
+    cfg = policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
+    if cfg is None and ctx.tenant is not None:
+        cfg = policy.tenants.get("default")
+    tpm = cfg.rate_limit_tpm if cfg is not None and cfg.rate_limit_tpm is not None else None
+    if tpm is None:
+        tpm = policy.service.auth.rate_limit_tpm
+    if tpm is None:
+        return
+    spec = gen.output
+    choices = max(spec.n, spec.best_of) if spec is not None else 1
+    asked = gen.sampling.max_tokens or default_max
+    cost = prompt_tokens + choices * asked
+    wait = limiter.check("tokens\x00" + ctx.principal, tpm, cost)
+    if wait is not None:
+        who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
+        raise RateLimitError(
+            f"Token rate limit reached for {who}: this request costs {cost} tokens "
+            f"(prompt + n x max_tokens) of {tpm} a minute.",
+            code="tokens_per_minute_exceeded",
+            retry_after=max(1.0, wait),
+        )

@@ -8,27 +8,36 @@ layer (``router.http.app``) only parses, authenticates and turns results into re
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.backends.tierset import TierSet
-from router.errors import BadRequestError, RateLimitError, UnavailableError
+from router.errors import BadRequestError, UnavailableError
 from router.openai.request import CallContext, Generation, completion_id
 from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, now, replay
-from router.pipeline.admission import FairShare, TierPressure, assess, rejection
+from router.pipeline.admission import FairShare, assess, rejection
 from router.pipeline.calls import CachedAnswer, Completion
-from router.pipeline.limits import TenantLimiter
+from router.pipeline.limits import TenantLimiter, check_rate, check_tokens, identify
+from router.pipeline.routing import (
+    Routed,
+    collected_max_tokens,
+    count_tokens,
+    count_tokens_off_loop,
+    expected_output,
+    refuse_unfittable,
+    request_signals,
+)
 from router.pipeline.session import SessionMemory
-from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row
+from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row, then_shadow
 from router.policy.decide import Decision, RouteRequest, decide
 from tiers.core.output import StepOutput
 
 if TYPE_CHECKING:
-    from classifier import ComplexityClassifier, ComplexityScore
+    from classifier import ComplexityClassifier
     from router.pipeline.cache import CacheKey, ResponseCache
     from router.policy.schema import Policy
     from router.telemetry import Telemetry
@@ -36,27 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["CallContext", "Completion", "RouterService"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Routed:
-    """A request's routing: the decision, what it was taken on, and admission's view of the tiers."""
-
-    decision: Decision
-    score: ComplexityScore
-    prompt_tokens: int
-    classify_ms: float
-    policy: Policy
-    """The policy snapshot the decision was taken under (a reload may swap the live one)."""
-    pressures: dict[str, TierPressure]
-    """Each tier's admission state when the decision was taken (``router.pipeline.admission``)."""
-    deadline_s: float | None
-    """The client's deadline (``x-request-timeout``), if it sent one."""
-
-
-def _prompt_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
-    """The text a prompt's length is judged by: the messages' contents, one per line, or the prompt."""
-    return (prompt if messages is None else "\n".join(m["content"] for m in messages)) or ""
 
 
 class RouterService:
@@ -158,7 +146,7 @@ class RouterService:
     ) -> Routed:
         """Classify and decide; ``gen``: the parsed request (None for ``/v1/route``, which only
         asks); ``prompt_tokens`` when the caller has already counted them (off the event loop:
-        ``_count_tokens_off_loop``)."""
+        ``routing.count_tokens_off_loop``)."""
         policy = self.policy  # one snapshot for the whole request (hot reload swaps the attribute)
         with self.telemetry.span("classify", parent=ctx.span) as span:
             started = time.perf_counter()
@@ -174,7 +162,7 @@ class RouterService:
         self.telemetry.classifier_latency.observe(classify_s)
         with self.telemetry.span("policy.decide", parent=ctx.span) as span:
             if prompt_tokens is None:
-                prompt_tokens = self._count_tokens(policy, messages, prompt)
+                prompt_tokens = count_tokens(self.tiers, policy, messages, prompt)
             # Admission: a tier whose queue is full, whose circuit is open or whose predicted
             # wait exceeds this request's budget counts as full, so the fallback applies.
             admission = assess(
@@ -185,7 +173,7 @@ class RouterService:
                 ctx.principal,
                 ctx.tenant,
                 prompt_tokens,
-                max_tokens=_collected_max_tokens(gen),
+                max_tokens=collected_max_tokens(gen),
             )
             pressures = admission.pressures
             sessions = self.sessions(policy)
@@ -195,13 +183,13 @@ class RouterService:
                 headers=ctx.headers,
                 tenant=ctx.tenant,
                 prompt_tokens=prompt_tokens,
-                **_request_signals(messages, prompt, gen),
+                **request_signals(messages, prompt, gen),
                 session=prior,
             )
             costs = (
                 self.tiers.routing_costs(
                     {name: p.wait_s for name, p in pressures.items()},
-                    _expected_output(policy, gen),
+                    expected_output(policy, gen),
                     prompt_tokens,
                 )
                 if policy.routing.mode == "load_aware" and self.tiers is not None
@@ -237,76 +225,12 @@ class RouterService:
             decision, score, prompt_tokens, classify_s * 1000, policy, pressures, admission.deadline_s
         )
 
-    def _count_tokens(self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
-        """Prompt tokens for the ``prompt_tokens_*`` rules: exact when a rule could turn on it."""
-        estimate, text, tok = self._token_plan(policy, messages, prompt)
-        return estimate if tok is None else len(tok.encode(text, add_special_tokens=False))
-
-    async def _count_tokens_off_loop(
-        self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None
-    ) -> int:
-        """``_count_tokens`` with the tokenization (0.6-0.9 s for a 1 MB prompt) in a worker
-        thread: every other stream and probe keeps its event loop meanwhile."""
-        estimate, text, tok = self._token_plan(policy, messages, prompt)
-        if tok is None:
-            return estimate
-        return len(await asyncio.to_thread(tok.encode, text, add_special_tokens=False))
-
-    def _refuse_unfittable(self, messages: list[dict[str, str]] | None, prompt: str | None) -> None:
-        """A 400 ``context_length_exceeded`` for a prompt that is certainly longer than every
-        tier's ``max_model_len``, from its byte count alone: tokenizing a 1 MB prompt costs a
-        second of CPU beside the engines, only to refuse it. Tiers served elsewhere (remote) have
-        their own limits, so only an all-local tier set is checked."""
-        tiers = self.tiers
-        if tiers is None or tiers.token_bytes is None or not tiers.tiers:
-            return
-        if any(b.is_remote for b in tiers.tiers.values()):
-            return
-        limit = max(b.cfg.max_model_len for b in tiers.tiers.values())
-        text = _prompt_text(messages, prompt)
-        if len(text) <= limit:  # short: cheap to tokenize, and the tier's own count decides
-            return
-        at_least = len(text.encode("utf-8", "surrogatepass")) // tiers.token_bytes
-        if at_least > limit:
-            raise BadRequestError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                f"at least {at_least} tokens.",
-                param="messages" if messages is not None else "prompt",
-                code="context_length_exceeded",
-            )
-
-    def _token_plan(
-        self, policy: Policy, messages: list[dict[str, str]] | None, prompt: str | None
-    ) -> tuple[int, str, Any]:
-        """``(estimate, text, tokenizer)``: the tokenizer is None when the estimate will do.
-
-        A byte-level BPE token covers at least one UTF-8 byte, so a text of N bytes has at most N
-        tokens; below the smallest threshold any rule uses, tokenizing cannot change the decision
-        and the (cheap) byte count is used instead.
-        """
-        text = _prompt_text(messages, prompt)
-        thresholds = [
-            t
-            for r in policy.routing.rules
-            if r.when is not None
-            for t in (r.when.prompt_tokens_above, r.when.prompt_tokens_at_most)
-            if t is not None
-        ]
-        upper_bound = len(text.encode("utf-8", "surrogatepass"))
-        # The tokenizer is fetched only when a threshold could tell the count from the estimate.
-        could_matter = bool(thresholds) and upper_bound > min(thresholds)
-        tok = self.tiers.counting_tokenizer() if could_matter and self.tiers is not None else None
-        if tok is None:
-            estimate = min(upper_bound, max(1, len(text) // 4)) if thresholds else len(text) // 4
-            return estimate, text, None
-        return 0, text, tok
-
     async def route_info(
         self, ctx: CallContext, model: str, messages: list[dict[str, str]] | None, prompt: str | None
     ) -> dict[str, Any]:
         self.check_caller(ctx)  # a decision costs a classification: limited like generation
-        self._refuse_unfittable(messages, prompt)
-        tokens = await self._count_tokens_off_loop(self.policy, messages, prompt)
+        refuse_unfittable(self.tiers, messages, prompt)
+        tokens = await count_tokens_off_loop(self.tiers, self.policy, messages, prompt)
         routed = self.route(ctx, model, messages, prompt, prompt_tokens=tokens)
         d, s = routed.decision, routed.score
         return {
@@ -326,66 +250,10 @@ class RouterService:
         }
 
     # -- generation ----------------------------------------------------------------------------
-    def _identify(self, ctx: CallContext) -> None:
-        """Fill the caller's metric label and rate-limit identity from its (authenticated) tenant."""
-        tenant = ctx.tenant
-        if tenant is None:
-            ctx.tenant_label = "-"
-        else:
-            ctx.tenant_label = tenant if tenant in self.policy.tenants else "other"
-        if ctx.principal is None:
-            ctx.principal = tenant
-
     def check_caller(self, ctx: CallContext) -> None:
         """Identify the caller and apply its rate limit: every API endpoint, not only generation."""
-        self._identify(ctx)
-        self._check_rate(ctx)
-
-    def _check_rate(self, ctx: CallContext) -> None:
-        """Per caller: the tenant's own ``rate_limit_rpm``, else ``service.auth.rate_limit_rpm``
-        for every other caller (a tenant the policy does not name, or a key without a tenant)."""
-        if ctx.principal is None:
-            return
-        cfg = self.policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
-        if cfg is None and ctx.tenant is not None:  # a tenant the policy does not name
-            cfg = self.policy.tenants.get("default")
-        rpm = cfg.rate_limit_rpm if cfg is not None and cfg.rate_limit_rpm is not None else None
-        if rpm is None:
-            rpm = self.policy.service.auth.rate_limit_rpm
-        if rpm is None:
-            return
-        wait = self.limiter.check(ctx.principal, rpm)
-        if wait is not None:
-            who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
-            raise RateLimitError(f"Rate limit reached for {who}.", retry_after=max(1.0, wait))
-
-    def _check_tokens(self, ctx: CallContext, gen: Generation, prompt_tokens: int, default_max: int) -> None:
-        """The caller's ``rate_limit_tpm``: prompt tokens plus n x max_tokens, charged at admission
-        (after the cache: a hit costs nothing). Its own bucket, beside the requests'."""
-        if ctx.principal is None:
-            return
-        policy = self.policy
-        cfg = policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
-        if cfg is None and ctx.tenant is not None:
-            cfg = policy.tenants.get("default")
-        tpm = cfg.rate_limit_tpm if cfg is not None and cfg.rate_limit_tpm is not None else None
-        if tpm is None:
-            tpm = policy.service.auth.rate_limit_tpm
-        if tpm is None:
-            return
-        spec = gen.output
-        choices = max(spec.n, spec.best_of) if spec is not None else 1
-        asked = gen.sampling.max_tokens or default_max
-        cost = prompt_tokens + choices * asked
-        wait = self.limiter.check("tokens\x00" + ctx.principal, tpm, cost)
-        if wait is not None:
-            who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
-            raise RateLimitError(
-                f"Token rate limit reached for {who}: this request costs {cost} tokens "
-                f"(prompt + n x max_tokens) of {tpm} a minute.",
-                code="tokens_per_minute_exceeded",
-                retry_after=max(1.0, wait),
-            )
+        identify(ctx, self.policy)
+        check_rate(self.limiter, self.policy, ctx)
 
     async def generate(self, gen: Generation, ctx: CallContext) -> Completion:
         """Answer one parsed request (``router.openai.request.parse_chat`` / ``parse_completion``,
@@ -393,8 +261,8 @@ class RouterService:
         tiers = self._require_tiers()
         self.check_caller(ctx)
         req = gen.request
-        self._refuse_unfittable(gen.messages, gen.prompt)
-        tokens = await self._count_tokens_off_loop(self.policy, gen.messages, gen.prompt)
+        refuse_unfittable(self.tiers, gen.messages, gen.prompt)
+        tokens = await count_tokens_off_loop(self.tiers, self.policy, gen.messages, gen.prompt)
         routed = self.route(ctx, req.model, gen.messages, gen.prompt, gen, prompt_tokens=tokens)
         d = routed.decision
         policy = routed.policy
@@ -426,7 +294,14 @@ class RouterService:
         if cache is not None:
             headers["x-router-cache"] = "miss"
         if not d.rejected:
-            self._check_tokens(ctx, gen, routed.prompt_tokens, policy.tiers[d.tier].defaults.max_tokens)
+            check_tokens(
+                self.limiter,
+                self.policy,
+                ctx,
+                gen,
+                routed.prompt_tokens,
+                policy.tiers[d.tier].defaults.max_tokens,
+            )
         if d.rejected:
             self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)
             self.fair.note(d.tier, ctx.principal)  # a refused caller still claims its share
@@ -442,7 +317,9 @@ class RouterService:
             self.shadow.preempt()  # real traffic first: running shadow answers give way
         shadow_tier = self.shadow.target(policy, d, ctx.tenant)
         if shadow_tier is not None:
-            source[0] = self._shadow_after(source[0], shadow_tier, gen, ctx, d, policy, rid)
+            # The user's stream, unchanged; once it has finished, the shadow answer starts.
+            start = functools.partial(self._start_shadow, shadow_tier, gen, ctx, d, policy, rid)
+            source[0] = then_shadow(source[0], start)
         span_attrs = self.writer.span_attributes(gen, d, routed.score.value)
         if ctx.span is not None:
             ctx.span.set_attributes(span_attrs)
@@ -496,35 +373,6 @@ class RouterService:
             f"Tier '{tier}' is being reloaded; retry shortly.", code="tier_loading", retry_after=1.0
         )
 
-    async def _shadow_after(
-        self,
-        source: AsyncIterator[StepOutput],
-        tier: str,
-        gen: Generation,
-        ctx: CallContext,
-        d: Decision,
-        policy: Policy,
-        rid: str,
-    ) -> AsyncIterator[StepOutput]:
-        """The user's stream, unchanged; once it has finished, the shadow answer starts.
-
-        Not after a disconnect (the generator is closed mid-way) or an error: only answers the
-        user actually got are compared.
-        """
-        parts: list[str] = []
-        finished = False
-        try:
-            async for out in source:
-                if out.index == 0:
-                    parts.append(out.text)
-                    finished = finished or out.finish_reason is not None
-                yield out
-        finally:
-            # The writer closes the stream once it has the last output, without reading past it:
-            # the finished answer is known here, at the close.
-            if finished:
-                self._start_shadow(tier, gen, ctx, d, policy, rid, "".join(parts))
-
     def _start_shadow(
         self,
         tier: str,
@@ -573,33 +421,3 @@ class RouterService:
             return True
         except TimeoutError:
             return False
-
-
-def _collected_max_tokens(gen: Generation | None) -> int | None:
-    """The output tokens a non-streaming request asks for (None for a stream, or when unknown):
-    what admission checks against the client's deadline."""
-    return None if gen is None or gen.stream else gen.sampling.max_tokens
-
-
-def _request_signals(
-    messages: list[dict[str, str]] | None, prompt: str | None, gen: Generation | None
-) -> dict[str, Any]:
-    """The request-shape fields of ``RouteRequest`` (policy conditions ``has_tools``, ``keywords``...)."""
-    if messages is not None:
-        users = [m.get("content") or "" for m in messages if m.get("role") == "user"]
-        text, turns = (users[-1] if users else ""), len(users)
-    else:
-        text, turns = prompt or "", 1
-    signals: dict[str, Any] = {"text": text, "turns": turns}
-    if gen is not None and gen.output is not None:
-        signals["has_tools"] = gen.output.has_tools
-        signals["response_format"] = gen.output.response_format
-        signals["logprobs"] = gen.output.logprobs is not None
-    return signals
-
-
-def _expected_output(policy: Policy, gen: Generation | None) -> dict[str, int]:
-    """Output tokens a request is priced at on each tier (load-aware routing): what it asks for,
-    else the tier's default ``max_tokens``."""
-    asked = gen.sampling.max_tokens if gen is not None else None
-    return {name: asked or cfg.defaults.max_tokens for name, cfg in policy.tiers.items()}

@@ -59,6 +59,7 @@ __all__ = [
     "FeedbackLog",
     "IssuedAnswers",
     "ShadowRecorder",
+    "then_shadow",
     "thumbs_score",
 ]
 
@@ -329,3 +330,27 @@ def shadow_row(
     if record_content:
         row["prompt"] = _prompt_text(gen)
     return row
+
+
+async def then_shadow(
+    source: AsyncIterator[StepOutput], start: Callable[[str], None]
+) -> AsyncIterator[StepOutput]:
+    """The user's stream, unchanged; once it has finished, ``start`` is given the answer's first
+    choice and starts the shadow answer.
+
+    Not after a disconnect (the generator is closed mid-way) or an error: only answers the
+    user actually got are compared.
+    """
+    parts: list[str] = []
+    finished = False
+    try:
+        async for out in source:
+            if out.index == 0:
+                parts.append(out.text)
+                finished = finished or out.finish_reason is not None
+            yield out
+    finally:
+        # The writer closes the stream once it has the last output, without reading past it:
+        # the finished answer is known here, at the close.
+        if finished:
+            start("".join(parts))

@@ -175,6 +175,6 @@ def test_a_context_partition_is_fixed_when_built(
     ctx = CallContext(headers={}, tenant=tenant, principal=principal)
     assert ctx.partition == partition
     if ctx.principal is None:
-        ctx.principal = ctx.tenant  # what RouterService._identify does
+        ctx.principal = ctx.tenant  # what router.pipeline.limits.identify does
     expected = "t:" + tenant if tenant is not None else ("k:" + principal if principal is not None else "-")
     assert ctx.partition == expected

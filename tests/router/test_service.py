@@ -27,7 +27,7 @@ def test_routing_signals_come_from_the_parsed_request() -> None:
 
     from router.openai.request import parse_chat, parse_completion
     from router.openai.schemas import ChatCompletionRequest, CompletionRequest
-    from router.pipeline.service import _collected_max_tokens, _request_signals
+    from router.pipeline.routing import collected_max_tokens, request_signals
     from router.policy.schema import LimitsConfig
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -42,7 +42,7 @@ def test_routing_signals_come_from_the_parsed_request() -> None:
         return parse_chat(req, LimitsConfig())
 
     plain = chat()
-    assert _request_signals(plain.messages, None, plain) == {  # type: ignore[attr-defined]
+    assert request_signals(plain.messages, None, plain) == {  # type: ignore[attr-defined]
         "text": "c",
         "turns": 2,
         "has_tools": False,
@@ -56,15 +56,15 @@ def test_routing_signals_come_from_the_parsed_request() -> None:
         max_completion_tokens=7,
         max_tokens=99,
     )
-    got = _request_signals(rich.messages, None, rich)  # type: ignore[attr-defined]
+    got = request_signals(rich.messages, None, rich)  # type: ignore[attr-defined]
     assert (got["has_tools"], got["response_format"], got["logprobs"]) == (True, "json_object", True)
-    assert _collected_max_tokens(rich) == 7  # type: ignore[arg-type]
-    assert _collected_max_tokens(chat(stream=True, max_tokens=5)) is None  # type: ignore[arg-type]
+    assert collected_max_tokens(rich) == 7  # type: ignore[arg-type]
+    assert collected_max_tokens(chat(stream=True, max_tokens=5)) is None  # type: ignore[arg-type]
     comp = parse_completion(
         msgspec.convert({"model": "auto", "prompt": "p", "logprobs": 0}, CompletionRequest), LimitsConfig()
     )
-    got = _request_signals(None, "p", comp)
+    got = request_signals(None, "p", comp)
     assert (got["text"], got["turns"], got["logprobs"], got["has_tools"]) == ("p", 1, True, False)
-    assert _collected_max_tokens(comp) == 16  # OpenAI's completions default
+    assert collected_max_tokens(comp) == 16  # OpenAI's completions default
     # /v1/route: no parsed request, only the text.
-    assert _request_signals(None, "q", None) == {"text": "q", "turns": 1}
+    assert request_signals(None, "q", None) == {"text": "q", "turns": 1}
