@@ -15,8 +15,8 @@ import pytest
 from tests.fixtures import tiny_policy_yaml
 from tests.router.conftest import Server, start_server
 
-# Scores of the shipped classifier: 0.17 (under the 0.2 threshold below: small) and 0.34 (medium).
-EASY = "The quick"
+# Scores of the shipped classifier: 0.12 (under the 0.2 threshold below: small) and 0.37 (medium).
+EASY = "Write a short poem about the sea."
 HARD = (
     "Prove that there are infinitely many primes of the form 4k+3, and compute the sum of the first 20 "
     "such primes."
