@@ -35,6 +35,11 @@ MAX_N = 16
 """Most choices one request may ask for (``n``, ``best_of``): each is a sequence in the batch."""
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKENS_BOUND = 2**31 - 1
+"""Largest ``max_tokens`` accepted (vLLM's int32 bound): a tier stops at its context window in any
+case, and prices and token budgets count ``min(max_tokens, max_model_len)``."""
+MAX_TOKEN_ID_DIGITS = 10
+"""Digits a ``logit_bias`` key may have (token ids are int32)."""
 TEXT_PARTS = ("text", "input_text")
 
 

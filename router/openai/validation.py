@@ -14,6 +14,8 @@ from router.openai.schemas import (
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID_DIGITS,
+    MAX_TOKENS_BOUND,
     MAX_TOP_LOGPROBS,
     TEXT_PARTS,
     ChatCompletionRequest,
@@ -43,7 +45,9 @@ def validate_sampling(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise BadRequestError(f"'n' must be an integer in [1, {MAX_N}], got {req.n}.", param="n")
     _finite("min_p", req.min_p, 0.0, 1.0)
     for token, bias in (req.logit_bias or {}).items():
-        if not (token.isascii() and token.isdigit()):  # "²".isdigit() is true; int("²") raises
+        # "²".isdigit() is true and int("²") raises; past 10 digits no vocabulary has the id, and
+        # past 4,300 int() itself raises.
+        if not (token.isascii() and token.isdigit()) or len(token) > MAX_TOKEN_ID_DIGITS:
             raise BadRequestError(
                 f"'logit_bias' keys must be token ids (integers as strings), got {token!r}.",
                 param="logit_bias",
@@ -71,6 +75,12 @@ def validate_sampling(req: ChatCompletionRequest | CompletionRequest) -> None:
         value = getattr(req, name, None)
         if value is not None and value < 1:
             raise BadRequestError(f"'{name}' must be at least 1, got {value}.", param=name)
+        if value is not None and value > MAX_TOKENS_BOUND:
+            raise BadRequestError(
+                f"'{name}' must be at most {MAX_TOKENS_BOUND} (a tier stops at its context "
+                "window in any case).",
+                param=name,
+            )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_SEQUENCES:
         raise BadRequestError(f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences.", param="stop")

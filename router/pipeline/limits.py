@@ -102,9 +102,12 @@ def check_tokens(
     gen: Generation,
     prompt_tokens: int,
     default_max: int,
+    context: int,
 ) -> None:
     """The caller's ``rate_limit_tpm``: prompt tokens plus n x max_tokens, charged at admission
-    (after the cache: a hit costs nothing). Its own bucket, beside the requests'."""
+    (after the cache: a hit costs nothing). Its own bucket, beside the requests'. ``max_tokens``
+    counts at most what the tier's context window (``context``) leaves after the prompt: the
+    engine stops there, so a huge ``max_tokens`` cannot drain the bucket past recovery."""
     if ctx.principal is None:
         return
     cfg = policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
@@ -117,7 +120,7 @@ def check_tokens(
         return
     spec = gen.output
     choices = max(spec.n, spec.best_of) if spec is not None else 1
-    asked = gen.sampling.max_tokens or default_max
+    asked = min(gen.sampling.max_tokens or default_max, max(1, context - prompt_tokens))
     cost = prompt_tokens + choices * asked
     wait = limiter.check("tokens\x00" + ctx.principal, tpm, cost)
     if wait is not None:

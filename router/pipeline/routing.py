@@ -148,6 +148,8 @@ def request_signals(
 
 def expected_output(policy: Policy, gen: Generation | None) -> dict[str, int]:
     """Output tokens a request is priced at on each tier (load-aware routing): what it asks for,
-    else the tier's default ``max_tokens``."""
+    else the tier's default ``max_tokens``, at most the tier's context window (where it stops)."""
     asked = gen.sampling.max_tokens if gen is not None else None
-    return {name: asked or cfg.defaults.max_tokens for name, cfg in policy.tiers.items()}
+    return {
+        name: min(asked or cfg.defaults.max_tokens, cfg.max_model_len) for name, cfg in policy.tiers.items()
+    }

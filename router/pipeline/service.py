@@ -301,6 +301,7 @@ class RouterService:
                 gen,
                 routed.prompt_tokens,
                 policy.tiers[d.tier].defaults.max_tokens,
+                policy.tiers[d.tier].max_model_len,
             )
         if d.rejected:
             self.telemetry.count_request(gen.kind, d.tier, d.rule, "rejected", ctx.tenant_label)

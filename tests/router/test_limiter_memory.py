@@ -40,3 +40,38 @@ def test_a_refilled_bucket_dropped_is_the_same_as_kept(monkeypatch: pytest.Monke
         assert len(small._buckets) <= 4
         now[0] += 61.0  # every earlier bucket has refilled by the next burst
     assert refused == 60 * 2
+
+
+def test_a_huge_max_tokens_is_charged_what_the_context_window_leaves() -> None:
+    """Bug it catches: the TPM charge took ``max_tokens`` as sent, so ``2**31 - 1`` put the caller's
+    bucket at -4e9 (refilled after years); the engine stops at the context window, so the charge is
+    prompt + n x min(max_tokens, max_model_len - prompt)."""
+    import msgspec
+
+    from router.errors import RateLimitError
+    from router.openai.request import CallContext, parse_chat
+    from router.openai.schemas import ChatCompletionRequest
+    from router.pipeline.limits import check_tokens
+    from router.policy.loader import parse_policy
+    from router.policy.schema import LimitsConfig
+
+    policy = parse_policy(
+        "version: 1\ntiers: {small: {model: m}}\nrouting: {rules: [{name: all, tier: small}]}\n"
+        "service: {auth: {rate_limit_tpm: 10000}}\n"
+    )
+    body = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2**31 - 1,
+        "n": 2,
+    }
+    gen = parse_chat(msgspec.convert(body, ChatCompletionRequest), LimitsConfig())
+    limiter = TenantLimiter()
+    ctx = CallContext(headers={}, tenant=None, principal="k")
+    check_tokens(limiter, policy, ctx, gen, 100, 256, 1024)  # 100 + 2 x 924 = 1948
+    tokens, _ = limiter._buckets["tokens\x00k"]
+    assert tokens == pytest.approx(10_000 - 1948, abs=1.0)
+    for _ in range(4):  # 5 x 1948 = 9740 fit in 10,000; the sixth does not
+        check_tokens(limiter, policy, ctx, gen, 100, 256, 1024)
+    with pytest.raises(RateLimitError, match="costs 1948 tokens"):
+        check_tokens(limiter, policy, ctx, gen, 100, 256, 1024)

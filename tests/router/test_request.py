@@ -178,3 +178,26 @@ def test_a_context_partition_is_fixed_when_built(
         ctx.principal = ctx.tenant  # what router.pipeline.limits.identify does
     expected = "t:" + tenant if tenant is not None else ("k:" + principal if principal is not None else "-")
     assert ctx.partition == expected
+
+
+@pytest.mark.parametrize("api", ["chat", "completion"])
+def test_token_fields_accept_their_bound_and_refuse_one_past_it(api: str) -> None:
+    """Bugs it catches: a ``logit_bias`` key of 5,000 digits reaching ``int()`` (past Python's
+    4,300-digit limit: a 500), and ``max_tokens`` with no upper bound (``10**30`` accepted, prices
+    and token budgets overflowing)."""
+    from router.openai.schemas import MAX_TOKEN_ID_DIGITS, MAX_TOKENS_BOUND
+
+    def make(**fields: Any) -> ChatCompletionRequest | CompletionRequest:
+        if api == "chat":
+            return _chat(**fields)
+        return msgspec.convert({"model": "auto", "prompt": "hi", **fields}, CompletionRequest)
+
+    parse = parse_chat if api == "chat" else parse_completion
+    ok = parse(make(max_tokens=MAX_TOKENS_BOUND, logit_bias={"9" * MAX_TOKEN_ID_DIGITS: 1.0}), LIMITS)  # type: ignore[arg-type]
+    assert ok.sampling.max_tokens == MAX_TOKENS_BOUND
+    assert _refusal(make(max_tokens=MAX_TOKENS_BOUND + 1)) == "max_tokens"
+    assert _refusal(make(max_tokens=10**400)) == "max_tokens"
+    assert _refusal(make(logit_bias={"9" * (MAX_TOKEN_ID_DIGITS + 1): 1.0})) == "logit_bias"
+    assert _refusal(make(logit_bias={"5" * 5000: 1.0})) == "logit_bias"
+    if api == "chat":
+        assert _refusal(make(max_completion_tokens=MAX_TOKENS_BOUND + 1)) == "max_completion_tokens"
