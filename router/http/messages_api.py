@@ -21,6 +21,7 @@ with ``stop_reason``, ``message_stop``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Mapping
@@ -42,7 +43,7 @@ from router.http.chat_bridge import (
     rename_param,
     typed_event,
 )
-from router.http.routes import _ERRORS, _respond, _service, error_response
+from router.http.routes import _ERRORS, _respond, _service, error_response, metered
 from router.openai import api_types
 from router.openai.request import template_options
 from router.openai.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, ChatCompletionRequest
@@ -595,7 +596,10 @@ async def messages(request: Request[Any, Any, Any], data: MessagesRequest) -> Re
     exception_handlers={Exception: anthropic_error_response},
 )
 async def messages_count_tokens(request: Request[Any, Any, Any], data: CountTokensRequest) -> Response[Any]:
-    return Response(content={"input_tokens": count_tokens(request, data)}, status_code=HTTP_200_OK)
+    metered(request)
+    # Rendering and tokenizing a large conversation takes a good part of a second: off the loop.
+    tokens = await asyncio.to_thread(count_tokens, request, data)
+    return Response(content={"input_tokens": tokens}, status_code=HTTP_200_OK)
 
 
 MESSAGES_ROUTES = [messages, messages_count_tokens]

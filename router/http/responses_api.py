@@ -42,7 +42,7 @@ from router.http.chat_bridge import (
     rename_param,
     typed_event,
 )
-from router.http.routes import _ERRORS, _context, _respond
+from router.http.routes import _ERRORS, _context, _respond, metered
 from router.openai import api_types
 from router.openai.schemas import ChatCompletionRequest
 from router.pipeline.calls import Completion
@@ -682,6 +682,7 @@ async def create(request: Request[Any, Any, Any], data: ResponsesRequest) -> Res
     responses={200: ResponseSpec(api_types.ResponseObject), 404: _ERRORS[404]},
 )
 async def retrieve(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    metered(request)
     item = _store(request).get(_partition(request), response_id)
     if item is None:
         raise _not_found(response_id)
@@ -695,6 +696,7 @@ async def retrieve(request: Request[Any, Any, Any], response_id: str) -> Respons
     responses={200: ResponseSpec(api_types.DeletedResponse), 404: _ERRORS[404]},
 )
 async def remove(request: Request[Any, Any, Any], response_id: str) -> Response[Any]:
+    metered(request)
     if not _store(request).delete(_partition(request), response_id):
         raise _not_found(response_id)
     body = {"id": response_id, "object": "response", "deleted": True}

@@ -72,6 +72,14 @@ def _context(request: Request[Any, Any, Any]) -> CallContext:
     )
 
 
+def metered(request: Request[Any, Any, Any]) -> CallContext:
+    """The caller's context, its rate limit applied: every API endpoint counts against it, not
+    only generation (listing models, stored responses, token counts)."""
+    ctx = _context(request)
+    _service(request).check_caller(ctx)
+    return ctx
+
+
 def answer_body(
     request: Request[Any, Any, Any], data: ChatCompletionRequest | CompletionRequest
 ) -> Coroutine[Any, Any, Completion]:
@@ -197,6 +205,7 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest) 
 @get("/v1/models", summary="List models: 'auto' plus every tier and alias")
 async def list_models(request: Request[Any, Any, Any]) -> api_types.ModelList:
     service = _service(request)
+    metered(request)
     created = 1735689600
     return api_types.ModelList(
         data=[
@@ -208,6 +217,7 @@ async def list_models(request: Request[Any, Any, Any]) -> api_types.ModelList:
 
 @get("/v1/models/{model_id:str}", summary="Retrieve one model", responses={404: _ERRORS[404]})
 async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> api_types.Model:
+    metered(request)
     if model_id not in _service(request).model_names():
         raise ModelNotFoundError(f"The model '{model_id}' does not exist.", param="model")
     return api_types.Model(id=model_id, created=1735689600, owned_by="tiered-router")

@@ -52,7 +52,8 @@ def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, keys_file: Path
 ) -> Iterator[Server]:
     os.environ["TEST_ROUTER_KEYS"] = (
-        "sk-alpha:team-a, sk-beta, sk-b1:team-b, sk-b2:team-b, sk-c1:team-c, sk-d:team-d, sk-e"
+        "sk-alpha:team-a, sk-beta, sk-b1:team-b, sk-b2:team-b, sk-c1:team-c, sk-d:team-d, sk-e, "
+        "sk-m-models, sk-m-model, sk-m-get, sk-m-delete, sk-m-count"
     )
     path = tmp_path_factory.mktemp("auth") / "policy.yaml"
     text = tiny_policy_yaml(tiny_model_dir, cache_enabled=True).replace(
@@ -130,6 +131,35 @@ def test_keys_without_a_tenant_are_rate_limited_per_key(server: Server) -> None:
     codes = [chat(server.url, "sk-plain", f"plain {i}").status_code for i in range(3)]
     assert codes == [200, 200, 429]  # service.auth.rate_limit_rpm: 2
     assert chat(server.url, "sk-other", "plain 0").status_code == 200  # another key, its own bucket
+
+
+METERED = {
+    "sk-m-models": ("GET", "/v1/models", None),
+    "sk-m-model": ("GET", "/v1/models/small", None),
+    "sk-m-get": ("GET", "/v1/responses/resp_missing", None),
+    "sk-m-delete": ("DELETE", "/v1/responses/resp_missing", None),
+    "sk-m-count": (
+        "POST",
+        "/v1/messages/count_tokens",
+        {"model": "small", "messages": [{"role": "user", "content": "hi"}]},
+    ),
+}
+
+
+@pytest.mark.parametrize("key", list(METERED))
+def test_every_api_endpoint_counts_against_the_rate_limit(server: Server, key: str) -> None:
+    """Bug it catches: only generation and /v1/route were metered, so a client could call
+    count_tokens (a full chat-template render and tokenization), stored-response lookups or the
+    model list without limit. The third call within the minute is a 429 (rate_limit_rpm: 2)."""
+    method, path, body = METERED[key]
+    codes = [
+        httpx.request(
+            method, server.url + path, json=body, headers={"authorization": f"Bearer {key}"}
+        ).status_code
+        for _ in range(3)
+    ]
+    assert codes[:2] == ([404, 404] if "responses" in path else [200, 200]), codes
+    assert codes[2] == 429, codes
 
 
 def test_request_metrics_carry_bounded_tenant_labels(server: Server) -> None:
