@@ -330,9 +330,20 @@ def render_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list[d
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": block})
+    responses: list[str] = []  # a run of tool results: one user turn, joined once (linear)
+
+    def flush() -> None:
+        if responses:
+            out.append({"role": "user", "content": "\n".join(responses)})
+            responses.clear()
+
     for m in messages:
         role = m["role"]
         content = m.get("content") or ""
+        if role in ("tool", "function"):
+            responses.append(f"<tool_response>\n{content}\n</tool_response>")
+            continue
+        flush()
         if role == "developer":
             role = "system"
         if role == "assistant" and m.get("tool_calls"):
@@ -343,14 +354,9 @@ def render_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list[d
             ]
             text = "\n".join([content, *calls]) if content else "\n".join(calls)
             out.append({"role": "assistant", "content": text})
-        elif role in ("tool", "function"):
-            response = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
-                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + response}
-            else:
-                out.append({"role": "user", "content": response})
         else:
             out.append({"role": role, "content": content})
+    flush()
     return out
 
 

@@ -95,6 +95,25 @@ def test_render_generic_template() -> None:
     assert render_messages([{"role": "user", "content": "x"}], []) == [{"role": "user", "content": "x"}]
 
 
+def test_runs_of_tool_results_are_one_user_turn_each_and_runs_stay_apart() -> None:
+    """Bugs it catches: tool results appended by re-copying the turn so far (quadratic: 30,000
+    results rebuilt a growing string on the event loop), two runs split by an assistant turn
+    merged into one, or a user's own text that starts like a tool response swallowed."""
+    results = [{"role": "tool", "content": f"r{i}"} for i in range(30_000)]
+    msgs = [
+        {"role": "user", "content": "<tool_response> is a tag"},
+        *results,
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "content": "last"},
+    ]
+    out = render_messages(msgs, [])
+    assert [m["role"] for m in out] == ["user", "user", "assistant", "user"]
+    assert out[0]["content"] == "<tool_response> is a tag"
+    expected = "\n".join(f"<tool_response>\nr{i}\n</tool_response>" for i in range(30_000))
+    assert out[1]["content"] == expected
+    assert out[3]["content"] == "<tool_response>\nlast\n</tool_response>"
+
+
 def test_tool_and_choice_validation() -> None:
     tools = parse_tools([WEATHER, TIME])
     assert tools[1].parameters == {"type": "object", "properties": {}}
