@@ -27,32 +27,42 @@ def limit_refusal(param: str, what: str, limit: int, key: str) -> BadRequestErro
     )
 
 
-def schema_size(schema: Any, max_nodes: int, max_depth: int) -> tuple[int, int, int]:
-    """``(nodes, depth, widest)`` of a JSON value (``widest``: the most ``properties`` of one
-    object); counting stops once nodes or depth pass their bound (so a huge schema costs no more
-    than ``max_nodes`` steps to refuse)."""
+def schema_size(
+    schema: Any, max_nodes: int, max_depth: int, max_chars: int | None = None
+) -> tuple[int, int, int, int]:
+    """``(nodes, depth, widest, chars)`` of a JSON value (``widest``: the most ``properties`` of
+    one object; ``chars``: the length of every key and string in it - one huge ``pattern`` or
+    ``enum`` value is a large grammar in a single node); counting stops once a bound is passed
+    (so a huge schema costs no more than ``max_nodes`` steps to refuse)."""
     nodes = 0
     deepest = 0
     widest = 0
+    chars = 0
+    char_bound = max_chars if max_chars is not None else float("inf")
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         value, depth = stack.pop()
         nodes += 1
         deepest = max(deepest, depth)
-        if nodes > max_nodes or deepest > max_depth:
+        if nodes > max_nodes or deepest > max_depth or chars > char_bound:
             break
         if isinstance(value, dict):
             props = value.get("properties")
             if isinstance(props, dict):
                 widest = max(widest, len(props))
+            chars += sum(len(k) for k in value if isinstance(k, str))
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
-    return nodes, deepest, widest
+        elif isinstance(value, str):
+            chars += len(value)
+    return nodes, deepest, widest, chars
 
 
 def _check_schema(param: str, schema: Any, limits: LimitsConfig) -> None:
-    nodes, depth, widest = schema_size(schema, limits.max_schema_nodes, limits.max_schema_depth)
+    nodes, depth, widest, chars = schema_size(
+        schema, limits.max_schema_nodes, limits.max_schema_depth, limits.max_schema_chars
+    )
     if nodes > limits.max_schema_nodes:
         raise limit_refusal(param, "has too many schema nodes", limits.max_schema_nodes, "max_schema_nodes")
     if depth > limits.max_schema_depth:
@@ -60,6 +70,9 @@ def _check_schema(param: str, schema: Any, limits: LimitsConfig) -> None:
     if widest > limits.max_schema_properties:
         why = f"has an object of {widest} properties"
         raise limit_refusal(param, why, limits.max_schema_properties, "max_schema_properties")
+    if chars > limits.max_schema_chars:
+        why = "has more text (keys, patterns, enum values, descriptions) than allowed"
+        raise limit_refusal(param, why, limits.max_schema_chars, "max_schema_chars")
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsConfig) -> None:

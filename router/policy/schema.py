@@ -395,6 +395,9 @@ class LimitsConfig:
     """Properties of one object in a schema: the grammar's parser row grows with the optional
     properties it may take next (llguidance's limit was passed at ~550 of them, a failed
     generation)."""
+    max_schema_chars: int = 65_536
+    """Characters of every key and string in one JSON schema together: a single huge ``pattern``
+    or ``enum`` value is one node but a large grammar (compiled before the first token)."""
     max_prompts: int = 32
     """Prompts in one completions request (a list of prompts): each is a request of its own to
     route, admit and answer, merged into one response."""

@@ -226,6 +226,13 @@ def test_a_5000_property_schema_is_a_400_before_any_compilation(server: Server) 
     r = _chat(server, "sk-a", "json please", response_format=fmt, max_tokens=8)
     assert r.status_code == 400, r.text
     assert "max_schema_properties" in r.json()["error"]["message"]
+    # Few nodes, one huge pattern: a 100,000-character regex would be compiled into the grammar
+    # before the first token; it is counted in characters (service.limits.max_schema_chars).
+    pattern = {"type": "object", "properties": {"s": {"type": "string", "pattern": "a" * 100_000}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pat", "schema": pattern}}
+    r = _chat(server, "sk-a", "json please", response_format=fmt, max_tokens=2)
+    assert r.status_code == 400, r.text
+    assert "max_schema_chars" in r.json()["error"]["message"]
 
 
 def test_tokens_per_minute_count_prompt_plus_n_times_max_tokens(server: Server) -> None:

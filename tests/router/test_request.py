@@ -201,3 +201,18 @@ def test_token_fields_accept_their_bound_and_refuse_one_past_it(api: str) -> Non
     assert _refusal(make(logit_bias={"5" * 5000: 1.0})) == "logit_bias"
     if api == "chat":
         assert _refusal(make(max_completion_tokens=MAX_TOKENS_BOUND + 1)) == "max_completion_tokens"
+
+
+def test_a_schema_is_bounded_in_characters_at_its_limit_and_one_past_it() -> None:
+    """Bug it catches: ``schema_size`` counted nodes only, so one huge ``pattern`` (a single node)
+    passed every bound. Keys ``type``, ``pattern`` and the value ``string`` are 17 characters."""
+
+    def fmt(n: int) -> dict[str, Any]:
+        schema = {"type": "string", "pattern": "a" * n}
+        return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+
+    limits = LimitsConfig(max_schema_chars=1000)
+    assert parse_chat(_chat(response_format=fmt(1000 - 17)), limits).output is not None
+    with pytest.raises(BadRequestError, match="max_schema_chars") as err:
+        parse_chat(_chat(response_format=fmt(1000 - 16)), limits)
+    assert err.value.param == "response_format.json_schema.schema"
