@@ -21,8 +21,9 @@ from router.http.auth import AdminKeys, Authenticator
 from router.http.lifespan import make_lifespan
 from router.http.messages_api import MESSAGES_ROUTES
 from router.http.middleware import admin_listener, router_middleware
-from router.http.responses_api import RESPONSES_ROUTES, ResponseStore
+from router.http.responses_api import RESPONSES_ROUTES
 from router.http.routes import ROUTES, error_response
+from router.pipeline.response_store import ResponseStore
 from router.policy.loader import load_policy
 
 __all__ = ["admin_listener", "create_app"]

@@ -11,7 +11,7 @@ back into a ``response`` object or the Responses API's typed event stream.
 - ``tools`` (function tools) and ``tool_choice``; ``text.format`` (``json_schema``,
   ``json_object``) through the grammar engine; ``max_output_tokens``, ``temperature``, ``top_p``.
 - ``store`` (default true) keeps the response and its conversation in memory, per caller partition
-  (tenant, else API key), at most ``MAX_STORED`` responses for ``STORE_TTL_S``:
+  (tenant, else API key), bounded in count and bytes (``router.pipeline.response_store``):
   ``previous_response_id`` continues one, ``GET``/``DELETE`` read or forget it. Another tenant's id
   is a 404, as an unknown one is.
 - Fields this server cannot honour (built-in tools, background mode, reasoning, conversations,
@@ -23,9 +23,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -46,13 +44,9 @@ from router.http.routes import _ERRORS, _context, _respond, metered
 from router.openai import api_types
 from router.openai.schemas import ChatCompletionRequest
 from router.pipeline.calls import Completion
+from router.pipeline.response_store import ResponseStore
 
-__all__ = ["MAX_STORED", "RESPONSES_ROUTES", "STORE_TTL_S", "ResponseStore", "ResponsesRequest"]
-
-MAX_STORED = 4096
-"""Stored responses kept (all partitions together); the least recently used go first."""
-STORE_TTL_S = 3600.0
-"""A stored response is forgotten this long after it was created."""
+__all__ = ["RESPONSES_ROUTES", "ResponsesRequest"]
 
 
 class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -139,50 +133,6 @@ def _validate(req: ResponsesRequest) -> None:
 
 
 # -- the store ------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Stored:
-    partition: str
-    expires: float
-    response: dict[str, Any]
-    conversation: list[dict[str, Any]]
-    """The chat-shaped messages up to and including this response's output (no instructions)."""
-
-
-class ResponseStore:
-    """Stored responses by id, per caller partition, bounded (LRU) and with a TTL."""
-
-    def __init__(self, max_entries: int = MAX_STORED, ttl_s: float = STORE_TTL_S) -> None:
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, partition: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = Stored(partition, time.monotonic() + self.ttl_s, response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.max_entries:
-            self._items.popitem(last=False)
-
-    def get(self, partition: str, response_id: str) -> Stored | None:
-        """The stored response, or None when unknown, expired, or another partition's."""
-        item = self._items.get(response_id)
-        if item is None or item.partition != partition:
-            return None
-        if item.expires <= time.monotonic():
-            del self._items[response_id]
-            return None
-        self._items.move_to_end(response_id)
-        return item
-
-    def delete(self, partition: str, response_id: str) -> bool:
-        if self.get(partition, response_id) is None:
-            return False
-        del self._items[response_id]
-        return True
-
-
 def _store(request: Request[Any, Any, Any]) -> ResponseStore:
     state = request.app.state
     store = state.get("response_store")
