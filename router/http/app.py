@@ -18,10 +18,10 @@ from litestar.openapi import OpenAPIConfig
 from router.backends.tierset import TierSet
 from router.http.admin import ADMIN_ROUTES
 from router.http.auth import AdminKeys, Authenticator
+from router.http.bridge.messages import MESSAGES_ROUTES
+from router.http.bridge.responses import RESPONSES_ROUTES
 from router.http.lifespan import make_lifespan
-from router.http.messages_api import MESSAGES_ROUTES
 from router.http.middleware import admin_listener, router_middleware
-from router.http.responses_api import RESPONSES_ROUTES
 from router.http.routes import ROUTES, error_response
 from router.pipeline.response_store import ResponseStore
 from router.policy.loader import load_policy

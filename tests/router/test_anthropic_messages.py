@@ -15,7 +15,7 @@ import httpx
 import pytest
 from anthropic.types import message_create_params
 
-from router.http.messages_api import MessagesRequest
+from router.http.bridge.messages import MessagesRequest
 from tests.router.conftest import Server, keyed_tiny_server
 
 KEYS_ENV = "TEST_MESSAGES_KEYS"

@@ -17,7 +17,7 @@ import pytest
 from openai.types.responses import response_create_params
 from pydantic import BaseModel
 
-from router.http.responses_api import ResponsesRequest
+from router.http.bridge.responses import ResponsesRequest
 from tests.router.conftest import Server, keyed_tiny_server
 
 KEYS_ENV = "TEST_RESPONSES_KEYS"

@@ -35,7 +35,7 @@ from litestar.status_codes import HTTP_200_OK
 
 from router.backends.local import chat_prompt_ids
 from router.errors import BadRequestError, ModelNotFoundError, UnavailableError, anthropic_error_body
-from router.http.chat_bridge import (
+from router.http.bridge.chat import (
     EventTranslator,
     answer_through_chat,
     chat_request,

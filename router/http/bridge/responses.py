@@ -32,7 +32,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from router.errors import BadRequestError, ModelNotFoundError
-from router.http.chat_bridge import (
+from router.http.bridge.chat import (
     EventTranslator,
     answer_through_chat,
     chat_request,

@@ -1,5 +1,5 @@
-"""What the Responses API (``router.http.responses_api``) and Anthropic's Messages API
-(``router.http.messages_api``) share at the edge of the one chat pipeline: the internal request
+"""What the Responses API (``router.http.bridge.responses``) and Anthropic's Messages API
+(``router.http.bridge.messages``) share at the edge of the one chat pipeline: the internal request
 built from a translated body, the call to ``RouterService.chat`` with errors renamed to the edge
 API's fields, and the answer translated back - a JSON body from the chat body's first choice, or
 a typed event stream from the chat SSE chunks.
