@@ -146,6 +146,13 @@ class Telemetry:
             ["op"],
             registry=r,
         )
+        self.stored_responses_evicted = Counter(
+            "router_stored_responses_evicted",
+            "Stored responses (Responses API) dropped before their TTL: partition_quota (their "
+            "partition passed its byte quota), capacity (the store's count or byte bound)",
+            ["reason"],
+            registry=r,
+        )
         self.policy_reloads = Counter("router_policy_reloads", "Policy reloads applied", registry=r)
         self.policy_reload_failures = Counter(
             "router_policy_reload_failures", "Policy reloads rejected", registry=r

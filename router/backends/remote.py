@@ -4,21 +4,25 @@ the request is forwarded with the fields the client sent, the answer streams bac
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from router.backends.base import Prepared, engine_key
+from router.backends.base import Backend, Prepared, engine_key
 from router.backends.local import system_fingerprint
 from router.backends.remote_client import RemoteLoad, RemoteTier
 from router.errors import RemoteError
-from router.openai.writer import Served, remote_error
+from router.openai.writer import Served, first_within, remote_error
 from tiers.core.output import StepOutput
 
 if TYPE_CHECKING:
     from router.openai.request import Generation
+    from router.policy.decide import Decision
     from router.policy.schema import TierConfig
 
-__all__ = ["RemoteBackend", "upstream_body"]
+log = logging.getLogger(__name__)
+
+__all__ = ["RemoteBackend", "first_or_fallback", "upstream_body"]
 
 
 class RemoteBackend:
@@ -91,3 +95,55 @@ def upstream_body(obj: Any) -> Any:
     if isinstance(obj, list) and any(isinstance(v, msgspec.Struct) for v in obj):
         return [upstream_body(v) for v in obj]
     return msgspec.to_builtins(obj)
+
+
+Streams = list[AsyncIterator[StepOutput]]
+
+
+async def first_or_fallback(
+    backends: Mapping[str, Backend],
+    d: Decision,
+    source: Streams,
+    submitted: tuple[int, Served],
+    timeout_s: float,
+    fallback: Callable[[Decision, str], Decision | None],
+    resubmit: Callable[[str], Awaitable[tuple[Streams, int, Served]]],
+) -> tuple[Streams, Decision, int, Served]:
+    """A remote tier's first output read before anything is written: a connect error or a 5xx
+    before the first byte retries along ``routing.fallback`` (``fallback``: the policy's next
+    tier, as an open circuit falls back at the decision; ``resubmit``: the request sent there),
+    each tier once; past the first byte, or on a 4xx, the error is the answer. Returns the
+    streams to answer from (the first output put back) and the decision that serves them.
+    ``backends``: the tier set's, by name."""
+    hint, served = submitted
+    while True:
+        stream = source[0]
+        try:
+            first = await first_within(stream, timeout_s)
+        except StopAsyncIteration:
+            return source, d, hint, served
+        except RemoteError as exc:
+            nxt = fallback(d, str(exc)) if exc.status_code >= 500 and not exc.started else None
+            if nxt is None:
+                raise remote_error(exc) from exc
+            log.warning(
+                "tier %s failed before its first byte (%s): falling back to %s", d.tier, exc, nxt.tier
+            )
+            d = nxt
+            source, hint, served = await resubmit(d.tier)
+            if not backends[d.tier].is_remote:
+                return source, d, hint, served
+            continue
+        return [_prepended(first, stream)], d, hint, served
+
+
+async def _prepended(first: StepOutput, rest: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+    """``first`` then the rest of ``rest`` (closed with this stream)."""
+    try:
+        yield first
+        async for out in rest:
+            yield out
+    finally:
+        close = getattr(rest, "aclose", None)
+        if close is not None:
+            await close()

@@ -68,6 +68,8 @@ def make_lifespan(
         state = app.state
         telemetry = Telemetry(record_content=policy.service.telemetry.record_content)
         state.telemetry = telemetry
+        evicted = telemetry.stored_responses_evicted
+        state.response_store.on_evict = lambda reason: evicted.labels(reason).inc()
         state.load_error = None
         state.worker = tiers.worker if tiers is not None and tiers.worker is not None else DeviceWorker()
         state.classifier_injected = classifier is not None

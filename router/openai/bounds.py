@@ -81,6 +81,15 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitsC
         raise limit_refusal(
             "logit_bias", f"has {len(req.logit_bias)} entries", limits.max_logit_bias, "max_logit_bias"
         )
+    asked, param = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        asked, param = req.max_completion_tokens, "max_completion_tokens"
+    if asked is not None:
+        choices = max(req.n or 1, getattr(req, "best_of", None) or 1)
+        # One choice is bounded by the serving tier's context window instead (service.generate).
+        if choices > 1 and choices * asked > limits.max_request_tokens:
+            what = f"asks for {choices} x {asked} = {choices * asked} output tokens (n x max_tokens)"
+            raise limit_refusal(param, what, limits.max_request_tokens, "max_request_tokens")
     if not isinstance(req, ChatCompletionRequest):
         return  # a completion's prompts are counted once known (parse_completions)
     if req.tools is not None:

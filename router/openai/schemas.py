@@ -40,6 +40,11 @@ MAX_TOKENS_BOUND = 2**31 - 1
 case, and prices and token budgets count ``min(max_tokens, max_model_len)``."""
 MAX_TOKEN_ID_DIGITS = 10
 """Digits a ``logit_bias`` key may have (token ids are int32)."""
+MAX_ID_CHARS = 256
+"""Characters of a caller-chosen identifier (``user``, ``safety_identifier``,
+``prompt_cache_key``, a message's ``name``): each is logged, hashed or kept with the answer."""
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+"""``metadata``: OpenAI's documented bounds (16 pairs, keys of 64, values of 512 characters)."""
 TEXT_PARTS = ("text", "input_text")
 
 

@@ -10,6 +10,10 @@ import math
 
 from router.errors import BadRequestError
 from router.openai.schemas import (
+    MAX_ID_CHARS,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
     MAX_N,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
@@ -81,6 +85,7 @@ def validate_sampling(req: ChatCompletionRequest | CompletionRequest) -> None:
                 "window in any case).",
                 param=name,
             )
+    _identifier("user", req.user)
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_SEQUENCES:
         raise BadRequestError(f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences.", param="stop")
@@ -88,6 +93,33 @@ def validate_sampling(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise BadRequestError(
             f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters.", param="stop"
         )
+
+
+def _identifier(param: str, value: str | None) -> None:
+    if value is not None and len(value) > MAX_ID_CHARS:
+        raise BadRequestError(
+            f"'{param}' must be at most {MAX_ID_CHARS} characters, got {len(value)}.", param=param
+        )
+
+
+def _validate_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's documented bounds: 16 pairs, keys of at most 64 and values of 512 characters."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise BadRequestError(
+            f"'metadata' may have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}.", param="metadata"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise BadRequestError(
+                f"'metadata' keys must be at most {MAX_METADATA_KEY_CHARS} characters.", param="metadata"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise BadRequestError(
+                f"'metadata.{key}' must be at most {MAX_METADATA_VALUE_CHARS} characters.",
+                param=f"metadata.{key}",
+            )
 
 
 def _validate_vllm(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -145,6 +177,11 @@ _TEMPLATE_ARGUMENTS = frozenset(
 def validate_chat(req: ChatCompletionRequest) -> None:
     """Chat-only fields: each one this server cannot honour is a 400 that names it."""
     validate_sampling(req)
+    _validate_metadata(req.metadata)
+    _identifier("safety_identifier", req.safety_identifier)
+    _identifier("prompt_cache_key", req.prompt_cache_key)
+    for i, m in enumerate(req.messages or []):
+        _identifier(f"messages[{i}].name", m.name)
     if req.continue_final_message:
         if req.add_generation_prompt:
             raise BadRequestError(

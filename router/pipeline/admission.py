@@ -29,11 +29,12 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequestError, OverloadedError, RouterError, UnavailableError
+from router.pipeline.limits import Guarded
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -149,40 +150,7 @@ class FairShare:
             if held[caller] <= 0:
                 del held[caller]
 
-        return _Held(source, release)
-
-
-class _Held:
-    """An async iterator that runs ``release`` exactly once: at its end, on ``aclose()``, or when
-    dropped unstarted (an async generator that never started runs no ``finally``)."""
-
-    def __init__(self, inner: AsyncIterator[Any], release: Callable[[], None]) -> None:
-        self._inner = inner
-        self._release: Callable[[], None] | None = release
-
-    def _done(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __aiter__(self) -> _Held:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            return await anext(self._inner)
-        except BaseException:
-            self._done()
-            raise
-
-    async def aclose(self) -> None:
-        self._done()
-        close = getattr(self._inner, "aclose", None)
-        if close is not None:
-            await close()
-
-    def __del__(self) -> None:
-        self._done()
+        return Guarded(source, release)
 
 
 def client_deadline_s(headers: Mapping[str, str], policy: Policy) -> float | None:

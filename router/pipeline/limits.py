@@ -8,15 +8,27 @@ caller's limits as the service admits its request.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from router.errors import RateLimitError
 
 if TYPE_CHECKING:
     from router.openai.request import CallContext, Generation
     from router.policy.schema import Policy
+    from tiers.core.output import StepOutput
 
-__all__ = ["MAX_BUCKETS", "TenantLimiter", "check_rate", "check_tokens", "identify"]
+__all__ = [
+    "MAX_BUCKETS",
+    "Guarded",
+    "TenantLimiter",
+    "TokenCharge",
+    "check_rate",
+    "check_tokens",
+    "identify",
+    "refunding",
+]
 
 MAX_BUCKETS = 100_000
 """Callers whose buckets are kept at most (a few MB); beyond, refilled and idle ones are dropped."""
@@ -46,6 +58,13 @@ class TenantLimiter:
             for k in idle[: len(self._buckets) - self.max_buckets // 2]:
                 del self._buckets[k], self._rates[k]
 
+    def refund(self, key: str, per_minute: int, amount: float) -> None:
+        """Give back ``amount`` of a charge made with ``check`` (never past a full bucket)."""
+        found = self._buckets.get(key)
+        if found is not None:
+            tokens, last = found
+            self._buckets[key] = (min(float(per_minute), tokens + amount), last)
+
     def check(self, key: str, per_minute: int, cost: float = 1.0) -> float | None:
         """None when allowed (``cost`` is charged); otherwise the seconds until it would be.
 
@@ -63,6 +82,84 @@ class TenantLimiter:
             return (need - tokens) * 60.0 / per_minute
         self._buckets[key] = (tokens - cost, t)
         return None
+
+
+class Guarded:
+    """An async iterator that runs ``on_end`` exactly once: at its end, on ``aclose()``, or when
+    dropped unstarted (an async generator that never started runs no ``finally``); ``observe``
+    sees each output on the way. Settles what an answer holds while it runs: a caller's share of
+    a tier (``admission.FairShare.hold``), its token charge (``refunding``)."""
+
+    def __init__(
+        self,
+        inner: AsyncIterator[Any],
+        on_end: Callable[[], None],
+        observe: Callable[[Any], None] | None = None,
+    ) -> None:
+        self._inner = inner
+        self._on_end: Callable[[], None] | None = on_end
+        self._observe = observe
+
+    def _done(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+    def __aiter__(self) -> Guarded:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            out = await anext(self._inner)
+        except BaseException:
+            self._done()
+            raise
+        if self._observe is not None:
+            self._observe(out)
+        return out
+
+    async def aclose(self) -> None:
+        self._done()
+        close = getattr(self._inner, "aclose", None)
+        if close is not None:
+            await close()
+
+    def __del__(self) -> None:
+        self._done()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCharge:
+    """What ``check_tokens`` charged a caller's token bucket for its output, to refund the unused
+    part when the answer ends."""
+
+    key: str
+    per_minute: int
+    per_choice: int
+    choices: int
+
+
+def refunding(
+    limiter: TenantLimiter, charge: TokenCharge, sources: list[AsyncIterator[StepOutput]]
+) -> list[AsyncIterator[StepOutput]]:
+    """``sources`` (one stream per choice, or one stream carrying every choice: a remote tier),
+    each refunding on its end the output tokens it was charged and did not produce."""
+    carried = charge.choices if len(sources) == 1 else 1
+
+    def guard(source: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+        produced: dict[int, int] = {}
+
+        def observe(out: StepOutput) -> None:
+            produced[out.index] = out.num_output_tokens
+
+        def on_end() -> None:
+            unused = charge.per_choice * carried - sum(produced.values())
+            if unused > 0:
+                limiter.refund(charge.key, charge.per_minute, unused)
+
+        return Guarded(source, on_end, observe)
+
+    return [guard(s) for s in sources]
 
 
 def identify(ctx: CallContext, policy: Policy) -> None:
@@ -103,13 +200,13 @@ def check_tokens(
     prompt_tokens: int,
     default_max: int,
     context: int,
-) -> None:
+) -> TokenCharge | None:
     """The caller's ``rate_limit_tpm``: prompt tokens plus n x max_tokens, charged at admission
     (after the cache: a hit costs nothing). Its own bucket, beside the requests'. ``max_tokens``
     counts at most what the tier's context window (``context``) leaves after the prompt: the
     engine stops there, so a huge ``max_tokens`` cannot drain the bucket past recovery."""
     if ctx.principal is None:
-        return
+        return None
     cfg = policy.tenants.get(ctx.tenant) if ctx.tenant is not None else None
     if cfg is None and ctx.tenant is not None:
         cfg = policy.tenants.get("default")
@@ -117,12 +214,13 @@ def check_tokens(
     if tpm is None:
         tpm = policy.service.auth.rate_limit_tpm
     if tpm is None:
-        return
+        return None
     spec = gen.output
     choices = max(spec.n, spec.best_of) if spec is not None else 1
     asked = min(gen.sampling.max_tokens or default_max, max(1, context - prompt_tokens))
     cost = prompt_tokens + choices * asked
-    wait = limiter.check("tokens\x00" + ctx.principal, tpm, cost)
+    key = "tokens\x00" + ctx.principal
+    wait = limiter.check(key, tpm, cost)
     if wait is not None:
         who = f"tenant '{ctx.tenant}'" if ctx.tenant is not None else "this API key"
         raise RateLimitError(
@@ -131,3 +229,4 @@ def check_tokens(
             code="tokens_per_minute_exceeded",
             retry_after=max(1.0, wait),
         )
+    return TokenCharge(key, tpm, asked, choices)

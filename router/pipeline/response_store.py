@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.max_partition_bytes = max_partition_bytes
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self.on_evict: Callable[[str], None] | None = None
+        """Told each response dropped before its TTL, with why: ``partition_quota`` or
+        ``capacity`` (``router_stored_responses_evicted_total``)."""
         self._bytes = 0
         self._partition_bytes: dict[str, int] = {}
 
@@ -82,10 +86,15 @@ class ResponseStore:
             for key in own:  # oldest first
                 if self._partition_bytes[partition] <= self.max_partition_bytes:
                     break
-                self._drop(key)
+                self._evict(key, "partition_quota")
         while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-            self._drop(next(iter(self._items)))
+            self._evict(next(iter(self._items)), "capacity")
         return True
+
+    def _evict(self, response_id: str, reason: str) -> None:
+        self._drop(response_id)
+        if self.on_evict is not None:
+            self.on_evict(reason)
 
     def get(self, partition: str, response_id: str) -> Stored | None:
         """The stored response, or None when unknown, expired, or another partition's."""

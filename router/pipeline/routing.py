@@ -26,6 +26,7 @@ __all__ = [
     "count_tokens",
     "count_tokens_off_loop",
     "expected_output",
+    "refuse_past_context",
     "refuse_unfittable",
     "request_signals",
 ]
@@ -94,6 +95,28 @@ def refuse_unfittable(
             param="messages" if messages is not None else "prompt",
             code="context_length_exceeded",
         )
+
+
+def refuse_past_context(tiers: TierSet, policy: Policy, tier: str, gen: Generation) -> None:
+    """A 400 naming ``max_tokens`` when it alone is more than the serving local tier's context
+    window (``max_model_len``) holds, as vLLM refuses it; below that, an answer that reaches the
+    window ends with ``finish_reason: length``. A remote tier judges its own limits."""
+    asked = gen.sampling.max_tokens
+    cfg = policy.tiers.get(tier)
+    backend = tiers.tiers.get(tier)
+    if asked is None or cfg is None or backend is None or backend.is_remote:
+        return
+    if asked > cfg.max_model_len:
+        raise BadRequestError(
+            f"'max_tokens' is too large: {asked}. Tier '{tier}' has a context window of "
+            f"{cfg.max_model_len} tokens (prompt and completion together).",
+            param="max_completion_tokens" if _asked_completion_tokens(gen) else "max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def _asked_completion_tokens(gen: Generation) -> bool:
+    return getattr(gen.request, "max_completion_tokens", None) is not None
 
 
 def _token_plan(

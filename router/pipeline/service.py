@@ -15,25 +15,34 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from router.backends.remote import first_or_fallback
 from router.backends.tierset import TierSet
 from router.errors import BadRequestError, UnavailableError
 from router.openai.request import CallContext, Generation, completion_id
-from router.openai.writer import RETRY_AFTER_S, InFlight, ResponseWriter, Served, now, replay
+from router.openai.writer import (
+    RETRY_AFTER_S,
+    InFlight,
+    ResponseWriter,
+    Served,
+    now,
+    replay,
+)
 from router.pipeline.admission import FairShare, assess, rejection
 from router.pipeline.calls import CachedAnswer, Completion
-from router.pipeline.limits import TenantLimiter, check_rate, check_tokens, identify
+from router.pipeline.limits import TenantLimiter, check_rate, check_tokens, identify, refunding
 from router.pipeline.routing import (
     Routed,
     collected_max_tokens,
     count_tokens,
     count_tokens_off_loop,
     expected_output,
+    refuse_past_context,
     refuse_unfittable,
     request_signals,
 )
 from router.pipeline.session import SessionMemory
 from router.pipeline.shadow import FeedbackLog, ShadowRecorder, shadow_row, then_shadow
-from router.policy.decide import Decision, RouteRequest, decide
+from router.policy.decide import Decision, RouteRequest, decide, fallback_after_failure
 from tiers.core.output import StepOutput
 
 if TYPE_CHECKING:
@@ -266,6 +275,8 @@ class RouterService:
         routed = self.route(ctx, req.model, gen.messages, gen.prompt, gen, prompt_tokens=tokens)
         d = routed.decision
         policy = routed.policy
+        if not d.rejected:
+            refuse_past_context(tiers, policy, d.tier, gen)
         sessions = self.sessions(policy)
         if sessions is not None and not d.rejected:
             # What the next turn of this conversation will look up (router/pipeline/session.py).
@@ -293,8 +304,9 @@ class RouterService:
                     return self._cached_completion(gen, d, headers, hit)
         if cache is not None:
             headers["x-router-cache"] = "miss"
+        charge = None
         if not d.rejected:
-            check_tokens(
+            charge = check_tokens(
                 self.limiter,
                 self.policy,
                 ctx,
@@ -310,6 +322,22 @@ class RouterService:
         source, prompt_tokens_hint, served = await self._submit(
             tiers, d.tier, gen, routed.prompt_tokens, policy
         )
+        # The first token must come within the queue timeout, and within the client's deadline.
+        timeout_s = policy.service.queue_timeout_s
+        if routed.deadline_s is not None:
+            timeout_s = min(timeout_s, routed.deadline_s)
+        if tiers.tiers[d.tier].is_remote:
+
+            async def resubmit(tier: str) -> tuple[list[AsyncIterator[StepOutput]], int, Served]:
+                return await self._submit(tiers, tier, gen, routed.prompt_tokens, policy)
+
+            fallback = functools.partial(fallback_after_failure, policy, tenant=ctx.tenant)
+            source, d, prompt_tokens_hint, served = await first_or_fallback(
+                tiers.tiers, d, source, (prompt_tokens_hint, served), timeout_s, fallback, resubmit
+            )
+            headers["x-router-tier"] = d.tier
+        if charge is not None:  # the output tokens charged and not produced come back at the end
+            source = refunding(self.limiter, charge, source)
         # Counted against the caller's share of the tier until the answer ends (pipeline.admission).
         spec = gen.output
         weight = served.choices or (max(spec.n, spec.best_of) if spec is not None else 1)
@@ -333,10 +361,6 @@ class RouterService:
             async def on_complete(body: dict[str, Any]) -> None:
                 await cache.store(stored_key, body, d)
 
-        # The first token must come within the queue timeout, and within the client's deadline.
-        timeout_s = policy.service.queue_timeout_s
-        if routed.deadline_s is not None:
-            timeout_s = min(timeout_s, routed.deadline_s)
         body, stream = await self.writer.answer(
             gen,
             d,

@@ -228,6 +228,7 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
         ("max_schema_depth", 1),
         ("max_schema_properties", 1),
         ("max_schema_chars", 1),
+        ("max_request_tokens", 1),
     ):
         if getattr(limits, fname) < minimum:
             ctx.error(("service", "limits", fname), f"must be >= {minimum}, got {getattr(limits, fname)}")

@@ -26,7 +26,7 @@ Order of evaluation:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from router.errors import ModelNotFoundError
@@ -40,6 +40,7 @@ __all__ = [
     "ScoreLike",
     "TierBatch",
     "decide",
+    "fallback_after_failure",
     "unknown_tenant_tiers",
 ]
 
@@ -323,4 +324,22 @@ def decide(
         seen.add(tier)
     return Decision(
         tier, rule, reason, score.value, escalated, capped, fallback_from, session=session_changed
+    )
+
+
+def fallback_after_failure(policy: Policy, d: Decision, why: str, tenant: str | None) -> Decision | None:
+    """Where a request goes when its tier failed before sending anything (a remote tier's connect
+    error or 5xx): the next tier along ``routing.fallback`` within the tenant's tiers, as a full
+    tier falls back; None when there is none (the failure is the answer)."""
+    nxt = policy.routing.fallback.get(d.tier)
+    if nxt is None:
+        return None
+    nxt, _ = _cap(policy, nxt, tenant)
+    if nxt in (d.tier, d.fallback_from):
+        return None
+    return replace(
+        d,
+        tier=nxt,
+        fallback_from=d.fallback_from or d.tier,
+        reason=d.reason + f"; '{d.tier}' failed before its first byte ({why}), fell back to '{nxt}'",
     )

@@ -132,6 +132,9 @@ class LimitsConfig:
     max_schema_chars: int = 65_536
     """Characters of every key and string in one JSON schema together: a single huge ``pattern``
     or ``enum`` value is one node but a large grammar (compiled before the first token)."""
+    max_request_tokens: int = 65_536
+    """Output tokens one request may ask for, ``max(n, best_of) x max_tokens`` (each choice is a
+    sequence in the batch: 16 choices of 4,096 tokens are 65,536 decode rows-steps)."""
     max_prompts: int = 32
     """Prompts in one completions request (a list of prompts): each is a request of its own to
     route, admit and answer, merged into one response."""

@@ -185,13 +185,19 @@ def test_body_over_limit_is_413(server: Server) -> None:
 
 
 def test_prompt_over_context_is_400_and_max_tokens_is_clamped(server: Server, client: openai.OpenAI) -> None:
+    """A prompt past the window is a 400; so is a ``max_tokens`` larger than the whole window (as
+    vLLM refuses it); one that fits the window but not beside the prompt ends at the window."""
     long = " ".join(["word"] * 400)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="small", prompt=long, max_tokens=5)
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "context_length_exceeded"
     prompt = " ".join(["word"] * 30)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="small", prompt=prompt, max_tokens=257)  # the window is 256
+    assert isinstance(info.value.body, dict)
+    assert (info.value.body["param"], info.value.body["code"]) == ("max_tokens", "context_length_exceeded")
     resp = client.completions.create(
-        model="small", prompt=prompt, max_tokens=100000, temperature=0, extra_body={"ignore_eos": True}
+        model="small", prompt=prompt, max_tokens=256, temperature=0, extra_body={"ignore_eos": True}
     )
     assert resp.usage is not None and resp.usage.prompt_tokens + resp.usage.completion_tokens == 256
     assert resp.choices[0].finish_reason == "length"

@@ -43,9 +43,9 @@ def test_a_refilled_bucket_dropped_is_the_same_as_kept(monkeypatch: pytest.Monke
 
 
 def test_a_huge_max_tokens_is_charged_what_the_context_window_leaves() -> None:
-    """Bug it catches: the TPM charge took ``max_tokens`` as sent, so ``2**31 - 1`` put the caller's
-    bucket at -4e9 (refilled after years); the engine stops at the context window, so the charge is
-    prompt + n x min(max_tokens, max_model_len - prompt)."""
+    """Bug it catches: the TPM charge took ``max_tokens`` as sent, so ``n: 2 x 30,000`` put the
+    caller's bucket 60,000 tokens in debt (six minutes of waiting at 10,000 a minute); the engine
+    stops at the context window, so the charge is prompt + n x min(max_tokens, window - prompt)."""
     import msgspec
 
     from router.errors import RateLimitError
@@ -62,7 +62,7 @@ def test_a_huge_max_tokens_is_charged_what_the_context_window_leaves() -> None:
     body = {
         "model": "small",
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 2**31 - 1,
+        "max_tokens": 30_000,
         "n": 2,
     }
     gen = parse_chat(msgspec.convert(body, ChatCompletionRequest), LimitsConfig())
@@ -75,3 +75,41 @@ def test_a_huge_max_tokens_is_charged_what_the_context_window_leaves() -> None:
         check_tokens(limiter, policy, ctx, gen, 100, 256, 1024)
     with pytest.raises(RateLimitError, match="costs 1948 tokens"):
         check_tokens(limiter, policy, ctx, gen, 100, 256, 1024)
+
+
+def test_unused_output_tokens_are_refunded_when_each_stream_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bugs it catches: the TPM charge kept at n x max_tokens whatever the answer produced (a
+    2-token answer to max_tokens 50 cost 50), a refund counted once per output instead of from
+    the last cumulative count, a remote stream carrying every choice refunded as one choice, a
+    stream dropped before it started never settled, a refund past a full bucket."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from router.pipeline.limits import TokenCharge, refunding
+    from tiers.core.output import StepOutput
+
+    monkeypatch.setattr("router.pipeline.limits.time.monotonic", lambda: 0.0)
+
+    async def outputs(counts: list[tuple[int, int]]) -> AsyncIterator[StepOutput]:
+        for index, n in counts:
+            yield StepOutput("t", [1], index=index, num_output_tokens=n)
+
+    async def drain(streams: list[AsyncIterator[StepOutput]]) -> None:
+        for s in streams:
+            async for _ in s:
+                pass
+
+    limiter = TenantLimiter()
+    charge = TokenCharge("tokens\x00k", 1000, per_choice=50, choices=2)
+    assert limiter.check(charge.key, 1000, 10 + 2 * 50) is None  # 890 left
+    local = refunding(limiter, charge, [outputs([(0, 1), (0, 2), (0, 10)]), outputs([(1, 50)])])
+    asyncio.run(drain(local))
+    assert limiter._buckets[charge.key][0] == pytest.approx(890 + 40)  # 50 - 10, and 50 - 50
+    remote = refunding(limiter, charge, [outputs([(0, 5), (1, 3), (1, 7)])])
+    assert limiter.check(charge.key, 1000, 100) is None  # 830
+    asyncio.run(drain(remote))
+    assert limiter._buckets[charge.key][0] == pytest.approx(830 + 100 - 12)
+    unstarted = refunding(limiter, charge, [outputs([(0, 50)]), outputs([(1, 50)])])
+    asyncio.run(unstarted[0].aclose())  # type: ignore[attr-defined]  # closed before any output
+    del unstarted
+    assert limiter._buckets[charge.key][0] == pytest.approx(1000)  # 918 + 2 x 50, capped full

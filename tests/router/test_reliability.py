@@ -212,13 +212,22 @@ def test_hostile_bodies_get_a_clean_400(server: Server, raw: bytes) -> None:
     assert error_body_ok(r)
 
 
-def test_huge_max_tokens_is_clamped_to_the_context(server: Server) -> None:
+def test_huge_max_tokens_is_a_400_and_one_within_the_window_ends_at_it(server: Server) -> None:
+    """``max_tokens`` past the tier's context window is a 400 naming it (an int past int32 at
+    validation, one past the window at the tier); within it, generation stops at the window."""
+    for asked in (10**20, 257):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": asked},
+        )
+        assert r.status_code == 400, (asked, r.text)
+        assert r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(
         server.url + "/v1/chat/completions",
         json={
             "model": "small",
             "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 10**20,
+            "max_tokens": 256,
             "ignore_eos": True,
         },
     )

@@ -284,13 +284,18 @@ def test_upstream_4xx_pass_through_with_status_body_and_retry_after(guarded: Ser
     flaky.mode = "ok"
 
 
-def test_upstream_500_is_a_502_without_its_internals(guarded: Server, flaky: Flaky) -> None:
+def test_upstream_500_falls_back_without_its_internals(guarded: Server, flaky: Flaky) -> None:
+    """A 500 before the first byte: ``routing.fallback`` (remote -> small) answers, and nothing
+    of the upstream's body reaches the client (the 502 without a fallback: ``lonely`` below)."""
     flaky.mode = "500"
+    seen = flaky.requests
     r = ask(guarded)
-    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+    assert r.status_code == 200 and r.headers["x-router-tier"] == "small", r.text
+    assert flaky.requests > seen  # asked upstream first
     assert "Traceback" not in r.text and "/srv" not in r.text
     flaky.mode = "ok"
-    assert ask(guarded).status_code == 200  # resets the failure count before the circuit opens
+    ok = ask(guarded)  # resets the failure count before the circuit opens
+    assert ok.status_code == 200 and ok.headers["x-router-tier"] == "remote"
 
 
 def test_reset_or_truncated_streams_are_errors_and_never_cached(guarded: Server, flaky: Flaky) -> None:
@@ -310,11 +315,11 @@ def test_reset_or_truncated_streams_are_errors_and_never_cached(guarded: Server,
         assert ask(guarded, content=content).headers["x-router-cache"] == "hit"
 
 
-def test_upstream_timeout_is_a_503_with_retry_after(guarded: Server, flaky: Flaky) -> None:
+def test_upstream_timeout_falls_back_after_its_timeout(guarded: Server, flaky: Flaky) -> None:
     flaky.mode = "hang"
     started = time.monotonic()
     r = ask(guarded, content="slow")
-    assert r.status_code == 503 and "retry-after" in r.headers
+    assert r.status_code == 200 and r.headers["x-router-tier"] == "small"
     assert time.monotonic() - started < 2.8  # the 1.5 s timeout, not retried
     flaky.mode = "ok"
     assert ask(guarded, content="after the timeout").status_code == 200
@@ -324,9 +329,11 @@ def test_dying_upstream_opens_the_circuit_falls_back_and_closes_after_cooldown(
     guarded: Server, flaky: Flaky
 ) -> None:
     flaky.mode = "dead"
-    for _ in range(3):  # circuit_failures: 3
+    for _ in range(3):  # circuit_failures: 3; each failure before a byte falls back at once
+        seen = flaky.requests
         r = ask(guarded, content="circuit")
-        assert r.status_code == 502, r.text
+        assert r.status_code == 200 and r.headers["x-router-tier"] == "small", r.text
+        assert flaky.requests > seen
     seen = flaky.requests
     fallback = ask(guarded, content="circuit")
     assert fallback.status_code == 200 and fallback.headers["x-router-tier"] == "small"
@@ -339,8 +346,11 @@ def test_dying_upstream_opens_the_circuit_falls_back_and_closes_after_cooldown(
 
 
 def test_an_open_circuit_without_fallback_is_a_503_at_once(guarded: Server, flaky: Flaky) -> None:
+    flaky.mode = "500"
+    r = ask(guarded, model="lonely")  # no fallback: the failure is the answer; circuit_failures: 1
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+    assert "Traceback" not in r.text and "/srv" not in r.text
     flaky.mode = "dead"
-    assert ask(guarded, model="lonely").status_code == 502  # circuit_failures: 1
     started = time.monotonic()
     r = ask(guarded, model="lonely")
     assert r.status_code == 503 and r.json()["error"]["code"] == "tier_unavailable"

@@ -216,3 +216,53 @@ def test_a_schema_is_bounded_in_characters_at_its_limit_and_one_past_it() -> Non
     with pytest.raises(BadRequestError, match="max_schema_chars") as err:
         parse_chat(_chat(response_format=fmt(1000 - 16)), limits)
     assert err.value.param == "response_format.json_schema.schema"
+
+
+def test_identifiers_and_metadata_accept_their_bound_and_refuse_one_past_it() -> None:
+    """Bugs it catches: ``user`` (1 MB) kept with every stored answer and logged, ``metadata`` past
+    OpenAI's documented 16 pairs / 64-character keys / 512-character values accepted, a message
+    ``name`` of any size passed into the prompt."""
+    from router.openai.schemas import (
+        MAX_ID_CHARS,
+        MAX_METADATA_KEY_CHARS,
+        MAX_METADATA_PAIRS,
+        MAX_METADATA_VALUE_CHARS,
+    )
+
+    at = "u" * MAX_ID_CHARS
+    meta = {f"k{i}".ljust(MAX_METADATA_KEY_CHARS, "x"): "v" * MAX_METADATA_VALUE_CHARS for i in range(16)}
+    assert len(meta) == MAX_METADATA_PAIRS
+    named = [{"role": "user", "content": "hi", "name": at}]
+    ok = _chat(user=at, safety_identifier=at, prompt_cache_key=at, metadata=meta, messages=named)
+    assert parse_chat(ok, LIMITS).request.user == at
+    assert _refusal(_chat(user=at + "u")) == "user"
+    assert _refusal(_chat(safety_identifier=at + "u")) == "safety_identifier"
+    assert _refusal(_chat(prompt_cache_key=at + "u")) == "prompt_cache_key"
+    assert (
+        _refusal(_chat(messages=[{"role": "user", "content": "hi", "name": at + "u"}])) == "messages[0].name"
+    )
+    assert _refusal(_chat(metadata={**meta, "one": "more"})) == "metadata"
+    assert _refusal(_chat(metadata={"k" * (MAX_METADATA_KEY_CHARS + 1): "v"})) == "metadata"
+    assert _refusal(_chat(metadata={"k": "v" * (MAX_METADATA_VALUE_CHARS + 1)})) == "metadata.k"
+    completion = msgspec.convert({"model": "auto", "prompt": "hi", "user": at + "u"}, CompletionRequest)
+    assert _refusal(completion) == "user"
+
+
+def test_n_times_max_tokens_is_bounded_per_request() -> None:
+    """Bug it catches: ``n: 16`` with a large ``max_tokens`` asked for 16 long sequences at the
+    price of one request (service.limits.max_request_tokens counts max(n, best_of) x max_tokens;
+    one choice is bounded by the tier's context window instead)."""
+    limits = LimitsConfig(max_request_tokens=1000)
+    assert parse_chat(_chat(n=4, max_tokens=250), limits).sampling.max_tokens == 250
+    with pytest.raises(BadRequestError, match="max_request_tokens") as err:
+        parse_chat(_chat(n=4, max_tokens=251), limits)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(BadRequestError, match="4 x 251") as err:
+        parse_chat(_chat(n=4, max_tokens=10, max_completion_tokens=251), limits)
+    assert err.value.param == "max_completion_tokens"
+    assert parse_chat(_chat(max_tokens=5000), limits).sampling.max_tokens == 5000  # n = 1
+    best = msgspec.convert(
+        {"model": "auto", "prompt": "hi", "n": 1, "best_of": 5, "max_tokens": 201}, CompletionRequest
+    )
+    with pytest.raises(BadRequestError, match="5 x 201"):
+        parse_completion(best, limits)

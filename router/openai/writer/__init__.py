@@ -9,6 +9,7 @@ from router.openai.writer.answer import (
     OnComplete,
     ResponseWriter,
     Served,
+    first_within,
     remote_error,
 )
 from router.openai.writer.choices import ChoiceBuilder, aggregate
@@ -38,6 +39,7 @@ __all__ = [
     "Served",
     "aggregate",
     "completion_body",
+    "first_within",
     "now",
     "remote_error",
     "replay",

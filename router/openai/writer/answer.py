@@ -21,7 +21,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from router.errors import RemoteError, RouterError, UnavailableError
 from router.openai.logprobs import (
@@ -46,8 +46,11 @@ __all__ = [
     "OnComplete",
     "ResponseWriter",
     "Served",
+    "first_within",
     "remote_error",
 ]
+
+T = TypeVar("T")
 
 
 RETRY_AFTER_S = 1.0
@@ -129,14 +132,7 @@ class ResponseWriter:
     async def _first(self, source: Merged, timeout_s: float) -> tuple[int, StepOutput]:
         """The first output, bounded by the queue timeout (waiting for a slot counts)."""
         try:
-            return await asyncio.wait_for(anext(source), timeout=timeout_s)
-        except TimeoutError:
-            await source.aclose()
-            raise UnavailableError(
-                "Timed out waiting for capacity; retry shortly.",
-                code="queue_timeout",
-                retry_after=RETRY_AFTER_S,
-            ) from None
+            return await first_within(source, timeout_s)
         except RemoteError as exc:
             raise remote_error(exc) from exc
 
@@ -416,6 +412,22 @@ def _best(gen: Generation, choices: list[ChoiceBuilder]) -> list[ChoiceBuilder]:
         )
     ranked = sorted(choices, key=lambda c: c.mean_logprob, reverse=True)[: spec.n]
     return sorted(ranked, key=lambda c: c.index)
+
+
+async def first_within(source: AsyncIterator[T], timeout_s: float) -> T:
+    """``source``'s first item within ``timeout_s`` (a 503 ``queue_timeout`` past it, the source
+    closed); ``StopAsyncIteration`` when it is empty."""
+    try:
+        return await asyncio.wait_for(anext(source), timeout=timeout_s)
+    except TimeoutError:
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
+        raise UnavailableError(
+            "Timed out waiting for capacity; retry shortly.",
+            code="queue_timeout",
+            retry_after=RETRY_AFTER_S,
+        ) from None
 
 
 def remote_error(exc: RemoteError) -> RouterError:

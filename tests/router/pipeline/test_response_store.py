@@ -35,6 +35,8 @@ def test_one_partition_past_its_quota_loses_its_own_oldest_not_anothers() -> Non
     conv = [{"role": "user", "content": big}]
     one = _size({"id": "a0", "user": big}, conv)
     store = ResponseStore(max_entries=100, max_bytes=100 * one, max_partition_bytes=3 * one + 10)
+    evicted: list[str] = []
+    store.on_evict = evicted.append
     store.put("t:victim", {"id": "v0", "user": big}, conv)
     for i in range(10):
         store.put("t:noisy", {"id": f"a{i}", "user": big}, conv)
@@ -42,6 +44,7 @@ def test_one_partition_past_its_quota_loses_its_own_oldest_not_anothers() -> Non
     assert store.get("t:victim", "v0") is not None  # untouched by the noisy partition
     kept = [f"a{i}" for i in range(10) if store.get("t:noisy", f"a{i}") is not None]
     assert kept == ["a7", "a8", "a9"]  # its own oldest went first
+    assert evicted == ["partition_quota"] * 7  # what /metrics counts
     assert store.bytes == 4 * one == store.partition_bytes("t:noisy") + store.partition_bytes("t:victim")
     store.put("t:noisy", {"id": "a9", "user": "short"}, [])  # replaced: the old size is released
     assert store.partition_bytes("t:noisy") == 2 * one + _size({"id": "a9", "user": "short"}, [])
@@ -56,9 +59,12 @@ def test_the_overall_byte_bound_drops_the_least_recently_used() -> None:
     conv: list[dict[str, Any]] = []
     one = _size({"id": "r0", "user": "z" * 500}, conv)
     store = ResponseStore(max_entries=100, max_bytes=3 * one, max_partition_bytes=10 * one)
+    evicted: list[str] = []
+    store.on_evict = evicted.append
     for i in range(3):
         store.put(f"t:{i}", {"id": f"r{i}", "user": "z" * 500}, conv)
     assert store.get("t:0", "r0") is not None  # r0 used: r1 is now the least recently used
     store.put("t:3", {"id": "r3", "user": "z" * 500}, conv)
     assert [store.get(f"t:{i}", f"r{i}") is not None for i in range(4)] == [True, False, True, True]
     assert store.bytes == 3 * one
+    assert evicted == ["capacity"]
