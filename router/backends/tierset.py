@@ -329,6 +329,7 @@ def build_tiers(
                 max_model_len=cfg.max_model_len,
                 enable_prefix_caching=cfg.prefix_caching,
                 batch_invariant=cfg.batch_invariant,
+                cuda_graphs=cfg.cuda_graphs,
             )
 
         try:

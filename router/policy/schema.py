@@ -121,6 +121,10 @@ class TierConfig:
     quantized GEMM paths are row-independent already. false: prompt chunks over 64 tokens take
     gather + SDPA, and fp32 switches kernels by row count where that measured faster (MKL's
     packed GEMM at 4-16 rows on Intel, the one/two-row GEMV on AVX512 AMD)."""
+    cuda_graphs: bool = False
+    """On a CUDA device, decode steps of the fast path replay CUDA graphs captured at warm-up for
+    batch sizes 1, 2, 4 ... 64 (a step padded up to its bucket; larger batches run eagerly): the
+    host launches one graph instead of ~25 kernels a layer. Ignored on the CPU."""
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     served_model_name: str | None = None
     """Remote tiers: the ``model`` value sent upstream (default: the tier name)."""

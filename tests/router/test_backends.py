@@ -130,3 +130,50 @@ routing:
     finally:
         for engine in tiers.engines():
             worker.remove_engine(engine)
+
+
+def test_the_cuda_graphs_key_reaches_the_runner_and_graphs_are_captured_at_warm_up(
+    worker: DeviceWorker, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bugs it catches: ``tiers.<name>.cuda_graphs`` parsed but never given to the model runner
+    (no tier could turn graphs on), and graphs captured lazily at the first decode step of each
+    bucket mid-serving (a capture stalls every stream on the device) instead of at warm-up. On
+    the CPU the runner ignores the switch; the capture is observed through a stand-in."""
+    from tiers.worker import model_runner
+
+    seen: list[bool] = []
+    captured: list[str] = []
+    real_init = model_runner.ModelRunner.__init__
+
+    class Graphs:
+        def capture_all(self) -> None:
+            captured.append("all")
+
+        def serves(self, rows: object) -> bool:
+            return False  # every step takes the plain path
+
+    def init(self: model_runner.ModelRunner, *args: object, cuda_graphs: bool = False, **kw: object) -> None:
+        seen.append(cuda_graphs)
+        real_init(self, *args, cuda_graphs=cuda_graphs, **kw)  # type: ignore[arg-type]
+        assert self.graphs is None  # no CUDA here: the switch is ignored
+        if cuda_graphs:
+            self.graphs = Graphs()  # type: ignore[assignment]
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", init)
+    policy = parse_policy(f"""
+version: 1
+tiers:
+  small: {{model: {tiny_model_dir}, quantization: int8, max_num_seqs: 2}}
+  large: {{model: {tiny_model_dir}, max_num_seqs: 2, cuda_graphs: true}}
+routing:
+  rules: [{{name: d, tier: small}}]
+""")
+    tiers = build_tiers(policy, worker)
+    try:
+        assert sorted(seen) == [False, True]
+        large = tiers.get("large")
+        assert isinstance(large, LocalTier) and isinstance(large.engine.runner.graphs, Graphs)
+        assert captured == ["all"]  # once, during the large tier's warm-up
+    finally:
+        for engine in tiers.engines():
+            worker.remove_engine(engine)

@@ -27,6 +27,10 @@ def warm_up(
     runner: ModelRunner, config: SchedulerConfig, pace: Pace, spec: SpecController, proposer: Proposer | None
 ) -> None:
     prompt = runner.tokenizer.encode("Hello, how are you today?") or [0]
+    if runner.graphs is not None:
+        # Captured before any request (and before the costs below are measured): a capture in
+        # the middle of serving would stall every stream of the device for its duration.
+        runner.graphs.capture_all()
     runner.forward_scratch([prompt])
     # A full-budget chunk too: the first forward of a new large shape pays one-off kernel
     # setup (seconds for oneDNN on the CPU), which the first long prompt must not.
