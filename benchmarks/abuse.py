@@ -6,12 +6,17 @@ well-behaved one runs ``--polite`` closed-loop streaming clients (short prompts,
 tenant's ``--hostile`` clients loop over every hostile request issue 37 names: fresh
 5,000-property schemas, fresh schemas just under the size bound (compiled off the loop), 1 MB
 prompts, whole-vocabulary ``logit_bias``, n=16 answers of 256 tokens, and floods of
-``/v1/route`` and ``/v1/feedback``. A poller reads ``/healthz`` every 50 ms throughout.
+``/v1/route`` and ``/v1/feedback``; and issue 55's: a 5,000-digit ``logit_bias`` key,
+``max_tokens: 10**30``, n=16 x 4,096 tokens, 100 metadata pairs, one 140 KB ``pattern``, 1 MB
+``count_tokens`` bodies, 30,000 tool results, 1 MB stored responses, stored-response lookups and
+model lists; two connections send a request head that never ends. A poller reads ``/healthz``
+every 50 ms throughout.
 
 Per phase: the polite tenant's TTFT p50/p99 and tok/s (completion tokens of complete answers per
 second), ``/healthz`` latency p50/p99/max, and the hostile requests' status counts.
 
-Acceptance: polite tok/s beside the abuser >= 80 % of alone; its TTFT p99 <= 2x alone.
+Acceptance: polite tok/s beside the abuser >= 80 % of alone; its TTFT p99 <= 2x alone;
+``/healthz`` p99 <= 100 ms beside the abuser; no hostile request answered 5xx.
 
     flock /tmp/bench.lock python -m benchmarks.abuse [--seconds 30] [--port 8099]
 """
@@ -105,10 +110,61 @@ def _schema(props: int) -> dict[str, Any]:
 
 
 def hostile_requests(n: int) -> list[tuple[str, dict[str, Any]]]:
-    """One round of every hostile request (path, body)."""
+    """One round of every hostile request (path, body): issue 55's shapes first, then issue 37's."""
     chat = "/v1/chat/completions"
     msg = [{"role": "user", "content": "hi"}]
     return [
+        # Issue 55's shapes: fields past their bounds, work hidden in one node, client-sized
+        # work on other endpoints, the stored-response store.
+        (chat, {"model": "auto", "messages": msg, "max_tokens": 2, "logit_bias": {"5" * 5000: 1}}),
+        (chat, {"model": "auto", "messages": msg, "max_tokens": 10**30}),
+        (chat, {"model": "auto", "messages": msg, "max_tokens": 4096, "n": 16}),
+        (
+            chat,
+            {
+                "model": "auto",
+                "messages": msg,
+                "max_tokens": 2,
+                "metadata": {str(i): "v" for i in range(100)},
+            },
+        ),
+        (
+            chat,
+            {
+                "model": "small",
+                "messages": msg,
+                "max_tokens": 2,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "pattern",
+                        "schema": {"type": "string", "pattern": "(a|b)*c" * 20_000},
+                    },
+                },
+            },
+        ),
+        (
+            "/v1/messages/count_tokens",
+            {"model": "small", "messages": [{"role": "user", "content": "count " * 150_000}]},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "auto",
+                "max_tokens": 2,
+                "messages": [
+                    msg[0],
+                    {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+                    *({"role": "tool", "tool_call_id": "c", "content": "r"} for _ in range(30_000)),
+                ],
+            },
+        ),
+        (
+            "/v1/responses",
+            {"model": "auto", "input": "keep " * 150_000, "max_output_tokens": 2, "store": True},
+        ),
+        ("GET /v1/responses/resp_" + f"{n:032x}", {}),
+        ("GET /v1/models", {}),
         (
             chat,
             {
@@ -143,10 +199,14 @@ def hostile_requests(n: int) -> list[tuple[str, dict[str, Any]]]:
                 "logit_bias": {str(i): 1 for i in range(49152)},
             },
         ),
-        (chat, {"model": "auto", "messages": msg, "max_tokens": 256, "n": 16, "ignore_eos": True}),
         ("/v1/route", {"messages": [{"role": "user", "content": "route " * 200}]}),
         ("/v1/feedback", {"id": f"chatcmpl-{n}", "score": 0.0}),
+        # Last: a long n=16 answer (minutes on two cores) ends each round.
+        (chat, {"model": "auto", "messages": msg, "max_tokens": 256, "n": 16, "ignore_eos": True}),
     ]
+
+
+_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 async def hostile_client(client: httpx.AsyncClient, url: str, stop_at: float, statuses: Counter[str]) -> None:
@@ -157,10 +217,36 @@ async def hostile_client(client: httpx.AsyncClient, url: str, stop_at: float, st
                 return
             n += 1
             try:
-                r = await client.post(url + path, json=body, headers=HOSTILE, timeout=60)
-                statuses[f"{path} {r.status_code}"] += 1
+                if path.startswith("GET "):
+                    r = await client.get(url + path[4:], headers=HOSTILE, timeout=60)
+                else:
+                    r = await client.post(url + path, json=body, headers=HOSTILE, timeout=60)
+                statuses[f"{path.split('/resp_')[0]} {r.status_code}"] += 1
             except httpx.HTTPError as exc:
                 statuses[f"{path} {type(exc).__name__}"] += 1
+
+
+async def header_flood(url: str, stop_at: float, statuses: Counter[str]) -> None:
+    """A request head that never ends: one header line written 8 KB at a time until the server
+    cuts the connection (431 or a close), then again."""
+    host, port = url.removeprefix("http://").split(":")
+    while time.monotonic() < stop_at:
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Flood: ")
+            sent = 0
+            while time.monotonic() < stop_at:
+                writer.write(b"a" * 8192)
+                await writer.drain()
+                sent += 8192
+                if reader.at_eof():
+                    break
+            head = await asyncio.wait_for(reader.read(64), timeout=5)
+            statuses[f"header flood {head[9:12].decode(errors='replace') or 'closed'}"] += 1
+            writer.close()
+        except (OSError, TimeoutError) as exc:
+            statuses[f"header flood {type(exc).__name__}"] += 1
+        await asyncio.sleep(0.05)
 
 
 async def probe(client: httpx.AsyncClient, url: str, stop_at: float, out: list[float]) -> None:
@@ -183,6 +269,7 @@ async def phase(url: str, seconds: float, polite: int, hostile: int) -> dict[str
         stop_at = started + seconds
         tasks = [polite_client(client, url, texts[i::polite], stop_at, log) for i in range(polite)]
         tasks += [hostile_client(client, url, stop_at, statuses) for _ in range(hostile)]
+        tasks += [header_flood(url, stop_at, statuses) for _ in range(2 if hostile else 0)]
         tasks.append(probe(client, url, stop_at, health))
         await asyncio.gather(*tasks)
     # Every answer started in the phase counts, over the time until the last one ended.
@@ -242,10 +329,15 @@ def main() -> None:
         "beside_abuser": beside,
         "tok_s_ratio": beside["polite_tok_s"] / alone["polite_tok_s"] if alone["polite_tok_s"] else None,
         "ttft_p99_ratio": beside["polite_ttft_p99_ms"] / alone["polite_ttft_p99_ms"],
+        "five_xx": sum(
+            v for k, v in beside["hostile_statuses"].items() if k.rsplit(" ", 1)[-1].startswith("5")
+        ),
     }
     result["acceptance"] = {
         "tok_s_at_least_80pct": (result["tok_s_ratio"] or 0) >= 0.8,
         "ttft_p99_within_2x": result["ttft_p99_ratio"] <= 2.0,
+        "healthz_p99_at_most_100ms": beside["healthz_p99_ms"] <= 100.0,
+        "no_5xx": result["five_xx"] == 0,
     }
     print(json.dumps(result, indent=2))
     write_json("abuse", result)
