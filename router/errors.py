@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "RETRY_AFTER_S",
     "AuthError",
     "BadRequestError",
     "ModelNotFoundError",
@@ -24,7 +25,11 @@ __all__ = [
     "RouterError",
     "UnavailableError",
     "anthropic_error_body",
+    "remote_error",
 ]
+
+RETRY_AFTER_S = 1.0
+"""The ``Retry-After`` of a transient refusal (a full queue, a cancelled or unavailable answer)."""
 
 
 class RouterError(Exception):
@@ -186,3 +191,29 @@ class RemoteError(RuntimeError):
         self.retry_after = retry_after
         self.started = started
         """True when part of the answer had already been passed on (the stream was cut)."""
+
+
+def remote_error(exc: RemoteError) -> RouterError:
+    """An upstream failure as the client should see it (see ``router.backends.remote_client``): a
+    4xx keeps its status, error body and Retry-After; unavailable/timed out is a 503; anything
+    else a 502."""
+    if 400 <= exc.status_code < 500:
+        body = exc.body or {}
+        err = RouterError(
+            str(body.get("message") or exc),
+            param=body.get("param") if isinstance(body.get("param"), str) else None,
+            code=str(body["code"]) if body.get("code") is not None else "upstream_error",
+            retry_after=exc.retry_after
+            if exc.retry_after is not None
+            else (1.0 if exc.status_code == 429 else None),
+        )
+        err.status_code = exc.status_code
+        default_type = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
+        err.error_type = str(body.get("type") or default_type)
+        return err
+    if exc.status_code == 503:
+        retry = exc.retry_after if exc.retry_after is not None else RETRY_AFTER_S
+        return UnavailableError(str(exc), code="upstream_unavailable", retry_after=retry)
+    err = RouterError(str(exc), code="upstream_error")
+    err.status_code = 502
+    return err

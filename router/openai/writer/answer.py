@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from router.errors import RemoteError, RouterError, UnavailableError
+from router.errors import RETRY_AFTER_S, RemoteError, RouterError, UnavailableError, remote_error
 from router.openai.logprobs import (
     TokenTexts,
 )
@@ -51,9 +51,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-RETRY_AFTER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,29 +425,3 @@ async def first_within(source: AsyncIterator[T], timeout_s: float) -> T:
             code="queue_timeout",
             retry_after=RETRY_AFTER_S,
         ) from None
-
-
-def remote_error(exc: RemoteError) -> RouterError:
-    """An upstream failure as the client should see it (see ``router.backends.remote_client``): a 4xx keeps
-    its
-    status, error body and Retry-After; unavailable/timed out is a 503; anything else a 502."""
-    if 400 <= exc.status_code < 500:
-        body = exc.body or {}
-        err = RouterError(
-            str(body.get("message") or exc),
-            param=body.get("param") if isinstance(body.get("param"), str) else None,
-            code=str(body["code"]) if body.get("code") is not None else "upstream_error",
-            retry_after=exc.retry_after
-            if exc.retry_after is not None
-            else (1.0 if exc.status_code == 429 else None),
-        )
-        err.status_code = exc.status_code
-        default_type = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
-        err.error_type = str(body.get("type") or default_type)
-        return err
-    if exc.status_code == 503:
-        retry = exc.retry_after if exc.retry_after is not None else RETRY_AFTER_S
-        return UnavailableError(str(exc), code="upstream_unavailable", retry_after=retry)
-    err = RouterError(str(exc), code="upstream_error")
-    err.status_code = 502
-    return err
