@@ -9,7 +9,7 @@ POLICY ?= policies/default.yaml
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install kernels models sysdeps run test test-fast lint bench mutation clean
+.PHONY: install kernels models sysdeps run test test-fast lint bench mutation mutation-sample clean
 
 install: $(STAMP) kernels
 
@@ -68,6 +68,13 @@ bench: models
 # MODULES="tiers/core/sched/scheduler.py" runs some.
 mutation: $(STAMP) sysdeps
 	$(BIN)/python -m benchmarks.mutation $(MODULES)
+
+# A seeded, stratified sample of mutants of every module with logic in router/, tiers/ and
+# classifier/, each against its module's own tests (one package at a time, under nice):
+# benchmarks/results/mutation_sample.json. Not part of `make test`. SAMPLE_ARGS="--packages
+# router/openai --per-module 20" runs some.
+mutation-sample: $(STAMP) sysdeps
+	$(BIN)/python -m benchmarks.mutation_sample $(SAMPLE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
