@@ -351,24 +351,42 @@ def _score(killed: int, sampled: int, equivalent: int) -> float | None:
     return round(killed / scored, 4) if scored else None
 
 
-def _restrict_stats(work: Path, tests_by_module: dict[str, list[str]]) -> None:
-    """Keep, for each function, only the tests of its own module's files: one stats collection
-    serves a whole package, and each mutant still runs against its module's tests only."""
-    path = work / "mutants" / "mutmut-stats.json"
-    stats = json.loads(path.read_text())
-    by_dotted = sorted(((_dotted(m), t) for m, t in tests_by_module.items()), key=lambda x: -len(x[0]))
-    mapping = stats["tests_by_mangled_function_name"]
-    for function, tests in mapping.items():
-        own = next((t for d, t in by_dotted if function.startswith(d + ".")), [])
-        mapping[function] = [t for t in tests if any(t.startswith(f + "::") for f in own)]
-    path.write_text(json.dumps(stats))
+_RUN_NARROWED = """
+import json, sys
+import mutmut.__main__ as mm
+from mutmut.state import state
+from mutmut.workers import isolation
+
+own = json.load(open(sys.argv[1]))  # dotted module -> its test files
+by_dotted = sorted(own.items(), key=lambda kv: -len(kv[0]))
+collect = mm.collect_or_load_stats
+
+def narrowed(runner, **kwargs):
+    collect(runner, **kwargs)
+    mapping = state().tests_by_mangled_function_name
+    for function in list(mapping):
+        files = next((f for d, f in by_dotted if function.startswith(d + ".")), [])
+        mapping[function] = {t for t in mapping[function] if t.split("::")[0] in files}
+
+def clean(self, tests):
+    return 0  # the stats run has just run every one of them unmutated, and it passed
+
+mm.collect_or_load_stats = narrowed
+isolation.ForkServerRunner.run_clean_tests = clean
+isolation.ForkRunner.run_clean_tests = clean
+sys.argv = ["mutmut", *sys.argv[2:]]
+mm.cli()
+"""
+"""``mutmut <args>``, with the map of which tests reach which function narrowed, once
+collected, to each module's own test files (one stats run serves the whole package; each mutant
+still runs only its module's tests), and without mutmut's second clean run of them."""
 
 
 def _mutmut(work: Path, args: list[str], env: dict[str, str], timeout_s: float) -> tuple[str, bool]:
-    """``mutmut <args>`` under ``nice -n 19`` in ``work``; on the timeout its whole process group
-    is killed (what it saved so far stays)."""
+    """``mutmut <args>`` (``_RUN_NARROWED``) under ``nice -n 19`` in ``work``; on the timeout its
+    whole process group is killed (what it saved so far stays)."""
     proc = subprocess.Popen(
-        ["nice", "-n", "19", str(Path(sys.executable).with_name("mutmut")), *args],
+        ["nice", "-n", "19", sys.executable, "-c", _RUN_NARROWED, str(work / "own_tests.json"), *args],
         cwd=work,
         env=env,
         stdout=subprocess.PIPE,
@@ -407,6 +425,9 @@ def run_group(
     with tempfile.TemporaryDirectory(prefix="tiered-router-mutation-sample-") as tmp:
         work = Path(tmp)
         _copy_repo(work)
+        # Test files the working tree has and the committed tree lacks are not run.
+        tests = {m: [t for t in found if (work / t).is_file()] for m, found in tests.items()}
+        union = [t for t in union if (work / t).is_file()]
         config = _config(todo[0], [*union, "-m", "not slow"])
         config = config.replace(f"only_mutate = [{json.dumps(todo[0])}]", f"only_mutate = {json.dumps(todo)}")
         with (work / "pyproject.toml").open("a") as fh:
@@ -421,26 +442,23 @@ def run_group(
             return {**out, **{m: {"tests": tests[m], "sampled": 0, "note": "no mutant"} for m in todo}}
         env = {**os.environ, "TIERED_ROUTER_PROPERTY_EXAMPLES": str(examples), "PYTHONDONTWRITEBYTECODE": "1"}
         started = time.monotonic()
-        # One mutant first: mutmut generates the mutants and collects the stats (which tests reach
-        # which function); then the stats are narrowed to each module's tests and all run.
-        output, timed_out = _mutmut(work, ["run", "--max-children", str(children), names[0]], env, timeout_s)
+        own = {_dotted(m): tests[m] for m in todo}
+        (work / "own_tests.json").write_text(json.dumps(own))
+        output, timed_out = _mutmut(work, ["run", "--max-children", str(children), *names], env, timeout_s)
         if not (work / "mutants" / "mutmut-stats.json").is_file():
             raise RuntimeError(f"mutmut collected no stats for {todo}:\n{output[-3000:]}")
-        _restrict_stats(work, {m: tests[m] for m in todo})
-        if not timed_out:
-            left = timeout_s - (time.monotonic() - started)
-            output, timed_out = _mutmut(work, ["run", "--max-children", str(children), *names], env, left)
         seconds = time.monotonic() - started
         codes: dict[str, int | None] = {}
         for m in todo:
             meta = work / "mutants" / (m + ".meta")
             if meta.is_file():
                 codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+        sources = {m: (work / m).read_text() for m in todo}
     for m in todo:
         out[m] = {
             "tests": tests[m],
             "mutants_in_module": len(everything[m]),
-            **_classify(m, picked[m], everything[m], codes),
+            **_classify(m, sources[m], picked[m], everything[m], codes),
             "seconds_group": round(seconds, 1),
             **({"timed_out": True} if timed_out else {}),
         }
@@ -448,9 +466,8 @@ def run_group(
 
 
 def _classify(
-    module: str, picked: list[str], diffs: dict[str, str], codes: dict[str, int | None]
+    module: str, source: str, picked: list[str], diffs: dict[str, str], codes: dict[str, int | None]
 ) -> dict[str, Any]:
-    source = (ROOT / module).read_text()
     killed, survivors, equivalents, not_run = 0, [], [], []
     for key in picked:
         code = codes.get(key)
