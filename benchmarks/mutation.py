@@ -48,15 +48,15 @@ MODULES: dict[str, list[str]] = {
     ],
     "tiers/spec_decode/controller.py": [
         "tests/tiers/spec_decode/test_speculative.py",
-        "tests/tiers/spec_decode/test_speculative_rule.py",
+        "tests/tiers/sample/test_rejection.py",
         "tests/tiers/sample/test_sampling_speculative.py",
-        "tests/tiers/spec_decode/test_speculative_controller.py",
+        "tests/tiers/spec_decode/test_controller.py",
         "-k",
         "accept_batch or controller or ngram_proposer or k_not_in_use"
         " or speculative_rule or sampling_speculative",
     ],
     "tiers/sample/rejection.py": [
-        "tests/tiers/spec_decode/test_speculative_rule.py",
+        "tests/tiers/sample/test_rejection.py",
         "tests/tiers/sample/test_sampling_speculative.py",
         "tests/tiers/spec_decode/test_speculative.py",
         "-k",
@@ -64,37 +64,37 @@ MODULES: dict[str, list[str]] = {
     ],
     "tiers/spec_decode/ngram.py": [
         "tests/tiers/spec_decode/test_speculative.py",
-        "tests/tiers/spec_decode/test_speculative_rule.py",
-        "tests/tiers/spec_decode/test_speculative_controller.py",
+        "tests/tiers/sample/test_rejection.py",
+        "tests/tiers/spec_decode/test_controller.py",
         "-k",
         "ngram or speculative_rule",
     ],
     "tiers/sample/sampler.py": [
-        "tests/tiers/sample/test_sampling.py",
+        "tests/tiers/sample/test_logits_processors.py",
         "tests/tiers/sample/test_sampling_speculative.py",
     ],
     "tiers/sample/logits_processors.py": [
-        "tests/tiers/sample/test_sampling.py",
+        "tests/tiers/sample/test_logits_processors.py",
         "tests/tiers/sample/test_sampling_speculative.py",
     ],
     "tiers/sample/logprobs.py": [
-        "tests/tiers/sample/test_sampling.py",
+        "tests/tiers/sample/test_logits_processors.py",
         "tests/tiers/sample/test_sampling_speculative.py",
     ],
     "router/pipeline/cache.py": [
-        "tests/router/test_cache.py",
-        "tests/router/test_cache_edges.py",
-        "tests/router/test_semantic_index.py",
+        "tests/router/pipeline/test_cache.py",
+        "tests/router/pipeline/test_cache_edges.py",
+        "tests/router/pipeline/test_cache_semantic_index.py",
         "-k",
         "scope or expire or bounded or redis_entries or exact_key or lookups_report or semantic_index"
         " or build_cache or unreachable or undecodable or cache_edges",
     ],
     "router/http/auth.py": [
-        "tests/router/test_auth.py",
+        "tests/router/http/test_auth.py",
         "-k",
         "x_tenant_is_ignored or keys_parse or unreadable or unit",
     ],
-    "router/pipeline/admission.py": ["tests/router/test_admission_unit.py"],
+    "router/pipeline/admission.py": ["tests/router/pipeline/test_admission_unit.py"],
     "router/policy/decide.py": [
         "tests/router/policy/test_decide.py",
         "tests/router/policy/test_decide_edges.py",

@@ -71,7 +71,7 @@ async def _shadow_log(path: Path, prompts: list[str], answers: dict[str, tuple[s
     """Shadow lines as the service writes them: shadow_row() + ShadowRecorder on a fake stream.
 
     (The tiny test model's answers are noise, so the answers here are scripted; the live path
-    into this log is tests/router/test_shadow.py.)"""
+    into this log is tests/router/pipeline/test_shadow.py.)"""
     recorder = ShadowRecorder(registry=None)
     cfg = SimpleNamespace(max_concurrent=4, max_busy_fraction=1.0, log_path=str(path))
     for i, prompt in enumerate(prompts):

@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from tests.router.conftest import Server
-from tests.router.test_structured import long_context_server
+from tests.router.openai.test_structured import long_context_server
 
 langchain_openai = pytest.importorskip("langchain_openai")
 

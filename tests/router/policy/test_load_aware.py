@@ -1,5 +1,5 @@
 """decide() in ``routing.mode: load_aware``: the rule's tier is a floor, the price picks among it
-and the tiers above (the prices are given here; tests/router/test_backends_load_aware.py derives
+and the tiers above (the prices are given here; tests/router/backends/test_tierset_load_aware.py derives
 them from engine loads)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fixtures import make_engine
-from tests.tiers.engine.test_engine import AllowList, collect, greedy, prompts
+from tests.tiers.engine.test_llm_engine import AllowList, collect, greedy, prompts
 from tiers.core.sched.batch import ScheduledBatch
 from tiers.core.sequence import SamplingParams, Sequence
 from tiers.engine.llm_engine import Engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures import make_engine
-from tests.tiers.engine.test_engine import collect, greedy, prompts
+from tests.tiers.engine.test_llm_engine import collect, greedy, prompts
 from tiers.core.sequence import SamplingParams
 from tiers.engine.llm_engine import Engine
 from tiers.sample.rejection import accept_batch

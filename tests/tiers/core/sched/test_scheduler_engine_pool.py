@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import make_engine
-from tests.tiers.engine.test_engine import collect, greedy
+from tests.tiers.engine.test_llm_engine import collect, greedy
 from tiers.engine.llm_engine import Engine
 from tiers.worker.device import DeviceWorker
 

@@ -291,7 +291,7 @@ def test_a_corrupt_redis_value_is_a_miss_not_a_500(redis_server: Server, redis_u
 def test_a_paused_redis_costs_at_most_its_timeout(redis_server: Server, redis_url: str) -> None:
     import redis
 
-    from tests.router.test_reload import metric
+    from tests.router.http.test_reload import metric
 
     chat(redis_server.url, "warm the connection")
     started = time.perf_counter()

@@ -296,7 +296,7 @@ def test_unknown_field_and_bad_key_are_openai_shaped(server: Server) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
-R = "tests.router.test_openai_responses"
+R = "tests.router.http.bridge.test_responses"
 COVERED = {
     "model": f"{R}::test_plain_response_is_the_chat_answer",
     "input": f"{R}::test_forced_function_call_and_its_output",

@@ -23,7 +23,7 @@ from classifier.training.outcome_train import (
 from classifier.validation.evaluate import evaluate_outcomes
 from classifier.validation.outcomes import load_outcomes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MMLU = ROOT.parent / "shared/data/routing/mmlu_outcomes.jsonl.gz"
 DIFFICULTY = ROOT.parent / "shared/data/routing/difficulty_7b.jsonl.gz"
 needs_mmlu = pytest.mark.shared_data(MMLU)  # skipped without it, a failure under CI=true (conftest.py)

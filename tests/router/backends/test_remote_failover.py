@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.router.backends.test_remote_hardening import Upstream, _handler
 from tests.router.conftest import Server, start_server
-from tests.router.test_remote_hardening import Upstream, _handler
 
 
 def _policy(tiny_model_dir: Path, url: str) -> str:

@@ -352,7 +352,7 @@ def test_completions_logprobs_echo_n(client: openai.OpenAI) -> None:
         t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
     ]
     assert tokens == lp.tokens
-    # Echo with logprobs scores the prompt too (tests/router/test_prompt_logprobs.py), on one choice.
+    # Echo with logprobs scores the prompt too (tests/router/openai/test_logprobs_prompt.py), on one choice.
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="small", prompt="The quick", max_tokens=5, echo=True, logprobs=1, n=2)
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "echo"

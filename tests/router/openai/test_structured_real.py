@@ -17,7 +17,7 @@ from tests.router.conftest import Server, start_server
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TIERS = ["small", "medium"]
 
 

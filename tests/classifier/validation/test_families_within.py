@@ -37,7 +37,7 @@ from classifier.training.outcome_train import (
     outcome_proba,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MMLU = ROOT.parent / "shared/data/routing/mmlu_outcomes.jsonl.gz"
 DIFFICULTY = ROOT.parent / "shared/data/routing/difficulty_7b.jsonl.gz"
 

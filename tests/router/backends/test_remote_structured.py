@@ -11,7 +11,14 @@ import openai
 import pytest
 
 from tests.router.conftest import Server, start_server
-from tests.router.test_structured import ANSWER_SCHEMA, ASK, TOOLS, Answer, WeatherArgs, long_context_server
+from tests.router.openai.test_structured import (
+    ANSWER_SCHEMA,
+    ASK,
+    TOOLS,
+    Answer,
+    WeatherArgs,
+    long_context_server,
+)
 
 
 @pytest.fixture(scope="module")

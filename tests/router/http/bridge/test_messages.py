@@ -294,7 +294,7 @@ def test_errors_are_anthropic_shaped(server: Server, client: anthropic.Anthropic
     assert err.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
 
 
-M = "tests.router.test_anthropic_messages"
+M = "tests.router.http.bridge.test_messages"
 COVERED = {
     "model": f"{M}::test_plain_message_is_the_chat_answer",
     "messages": f"{M}::test_forced_tool_use_and_tool_result",
@@ -376,7 +376,7 @@ def test_accepted_fields(client: anthropic.Anthropic) -> None:
 def test_generated_requests_never_cause_a_5xx(server: Server) -> None:
     """schemathesis over the Messages operations of the service's OpenAPI schema (positive and
     negative data): no 5xx, and every 4xx in Anthropic's error shape."""
-    from tests.router.test_openai_responses import fuzz_operations
+    from tests.router.http.bridge.test_responses import fuzz_operations
     from tests.router.test_reliability import error_body_ok
 
     statuses = fuzz_operations(

@@ -17,9 +17,9 @@ from router.openai.schemas import VLLM_EXTENSIONS, ChatCompletionRequest, Comple
 from tests.router.conftest import Server
 
 # field -> the test that shows it honoured ("module::function").
-S = "tests.router.test_structured"
-A = "tests.router.test_app"
-F = "tests.router.test_openai_fields"
+S = "tests.router.openai.test_structured"
+A = "tests.router.http.test_app"
+F = "tests.router.openai.test_schemas_fields"
 CHAT_COVERED = {
     "messages": f"{A}::test_chat_completion_with_routing_headers",
     "model": f"{A}::test_chat_completion_with_routing_headers",
@@ -97,7 +97,8 @@ REFUSED: list[tuple[str, str, Any]] = [
     ("completion", "best_of", 17),
     ("completion", "logprobs", 21),
 ]
-EXTENSIONS = VLLM_EXTENSIONS  # vLLM's request extensions (tests/router/test_vllm_extensions.py)
+# vLLM's request extensions (tests/router/openai/test_schemas_vllm_extensions.py)
+EXTENSIONS = VLLM_EXTENSIONS
 STREAMING = {"stream"}  # declared by the SDK's streaming variant of the params
 
 
