@@ -89,6 +89,18 @@ _HELD = (
 )
 EQUIVALENT: list[tuple[str, str, str]] = [
     ("router/http/bridge/messages.py", "for n in range(min(len(s) + 1, len(text)), best, -1):", _HELD),
+    (
+        "router/http/bridge/chat.py",
+        'event, buffer = buffer.rsplit(b"\\n\\n", 1)',
+        "the event is read line by line: taking every complete event in the buffer at once gives the "
+        "same data lines in the same order as taking them one at a time, and the same remainder",
+    ),
+    (
+        "router/http/bridge/responses_request.py",
+        'rest = rest.removeprefix("json_schema.").removesuffix("json_schema")',
+        "the chat paths that reach it name json_schema only as their first segment, followed by '.' "
+        "or nothing: both forms strip the same text from every one",
+    ),
 ]
 
 _OPERATOR_TOKENS = {

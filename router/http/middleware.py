@@ -73,7 +73,7 @@ def router_middleware(app: Any) -> Any:
         if sum(len(k) + len(v) for k, v in raw_headers) > MAX_HEADER_BYTES:
             err = RouterError("Request headers are too large.", code="headers_too_large")
             err.status_code, err.error_type = 431, "invalid_request_error"
-            await send_error(send, err)
+            await send_error(send, err, path)
             return
         operator = is_operator_path(path)
         on_admin = scope.get(LISTENER_KEY) == "admin"

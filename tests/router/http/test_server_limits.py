@@ -72,6 +72,8 @@ def test_the_cap_counts_forwarded_clients_not_the_proxy(proxied: tuple[str, thre
         # Another client behind the same proxy, and a probe, are served meanwhile.
         assert _get(url, "/other", "10.0.0.2").status_code == 200
         assert _get(url, "/readyz", "10.0.0.1").status_code == 200
+        # A probe is told by its path alone, whatever its query holds (a second '?' included).
+        assert _get(url, "/readyz?probe=1?again", "10.0.0.1").status_code == 200
         release.set()
         assert [f.result().status_code for f in held] == [200, 200]
     # The counts went back with the responses (a refused request never took one).

@@ -94,3 +94,30 @@ def test_an_empty_input_is_a_400_naming_input() -> None:
     with pytest.raises(BadRequestError) as err:
         to_chat(_req(input=[]), [])
     assert err.value.param == "input"
+
+
+def test_a_chat_conversion_error_is_a_400_naming_the_responses_field() -> None:
+    """Bug it catches: the 400 from the chat conversion without ``param`` (or with the chat
+    name): a client cannot tell which of its fields was wrong."""
+    bad = {"format": {"type": "json_schema", "name": 5, "schema": {"type": "object"}}}
+    with pytest.raises(BadRequestError) as err:
+        to_chat(_req(text=bad), [])
+    assert err.value.param == "text.format.name"
+    assert "name" in err.value.message
+
+
+def test_function_tools_keep_strict_and_other_tool_types_are_refused() -> None:
+    """Bugs it catches: ``strict`` dropped from the flattened function (structured tool calls no
+    longer enforced), and ``and`` for ``or`` in the type test - a ``web_search`` tool passing as a
+    function tool without a name."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
+    chat, _ = to_chat(_req(tools=[tool]), [])
+    assert chat.tools is not None
+    fn = chat.tools[0]["function"]
+    assert fn == {"name": "f", "parameters": {"type": "object"}, "strict": True}
+    falsy, _ = to_chat(_req(tools=[{**tool, "strict": False}]), [])
+    assert falsy.tools is not None and falsy.tools[0]["function"]["strict"] is False
+    with pytest.raises(BadRequestError) as err:
+        to_chat(_req(tools=[tool, {"type": "web_search"}]), [])
+    assert err.value.param == "tools[1].type"
+    assert "web_search" in err.value.message

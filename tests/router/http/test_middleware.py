@@ -1,0 +1,80 @@
+"""The router's ASGI middleware (router/http/middleware.py) through a running service on the tiny
+tiers: the header-size bound counts names and values, a body of exactly ``max_body_bytes`` is
+read and one byte more is a 413 (bodies without a declared length too), and a refusal on
+``/v1/messages`` is worded in Anthropic's error shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+
+from router.http.middleware import MAX_HEADER_BYTES
+from tests.router.conftest import Server
+
+CHAT = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+MESSAGES = {"model": "small", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _padded(body: dict[str, object], size: int) -> bytes:
+    """``body`` as JSON followed by spaces up to exactly ``size`` bytes (still valid JSON)."""
+    raw = json.dumps(body).encode()
+    assert len(raw) <= size
+    return raw + b" " * (size - len(raw))
+
+
+def _chunked(raw: bytes) -> Iterator[bytes]:
+    """The body in 64 KiB pieces from a generator: httpx sends it chunked, with no length."""
+    for i in range(0, len(raw), 65536):
+        yield raw[i : i + 65536]
+
+
+def test_headers_over_the_bound_are_a_431_counting_values_too(server: Server) -> None:
+    """Bug it catches: the bound summing ``len(name) - len(value)`` - one huge header value
+    passes, and the whole head is parsed into a dict on every request."""
+    big = {"x-pad": "v" * (MAX_HEADER_BYTES + 10)}
+    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=big, timeout=30)
+    assert r.status_code == 431
+    assert r.json()["error"]["code"] == "headers_too_large"
+    under = {"x-pad": "v" * (MAX_HEADER_BYTES - 4096)}
+    ok = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=under, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_refusal_on_v1_messages_has_anthropics_shape(server: Server) -> None:
+    """Bug it catches: the middleware's refusals worded OpenAI's way on ``/v1/messages`` - the
+    Anthropic SDK reads ``{"type": "error", "error": {"type", "message"}}`` and nothing else."""
+    big = {"x-pad": "v" * (MAX_HEADER_BYTES + 10)}
+    r = httpx.post(server.url + "/v1/messages", json=MESSAGES, headers=big, timeout=30)
+    assert r.status_code == 431
+    body = r.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "too large" in body["error"]["message"]
+
+
+def test_a_chunked_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(server: Server) -> None:
+    """Bug it catches: ``>=`` for ``>`` in the running count of body bytes - a body of exactly
+    ``max_body_bytes`` refused although the policy allows it."""
+    limit = server.service.policy.service.max_body_bytes
+    url = server.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    at = httpx.post(url, content=_chunked(_padded(CHAT, limit)), headers=headers, timeout=60)
+    assert at.status_code == 200, at.text[:300]
+    over = httpx.post(url, content=_chunked(_padded(CHAT, limit + 1)), headers=headers, timeout=60)
+    assert over.status_code == 413
+    assert over.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_the_body(server: Server) -> None:
+    limit = server.service.policy.service.max_body_bytes
+    url = server.url + "/v1/chat/completions"
+    at = httpx.post(
+        url, content=_padded(CHAT, limit), headers={"content-type": "application/json"}, timeout=60
+    )
+    assert at.status_code == 200, at.text[:300]
+    over = httpx.post(
+        url, content=_padded(CHAT, limit + 1), headers={"content-type": "application/json"}, timeout=60
+    )
+    assert over.status_code == 413
