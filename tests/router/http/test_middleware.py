@@ -5,12 +5,16 @@ read and one byte more is a 413 (bodies without a declared length too), and a re
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
+from opentelemetry.trace import StatusCode
 
-from router.http.middleware import MAX_HEADER_BYTES
+from router.http.middleware import MAX_HEADER_BYTES, router_middleware
 from tests.router.conftest import Server
 
 CHAT = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -78,3 +82,62 @@ def test_a_declared_length_over_the_limit_is_refused_before_the_body(server: Ser
         url, content=_padded(CHAT, limit + 1), headers={"content-type": "application/json"}, timeout=60
     )
     assert over.status_code == 413
+
+
+class _Span:
+    def __init__(self) -> None:
+        self.attributes: dict[str, object] = {}
+        self.status: object = None
+        self.ended = False
+
+    def set_attribute(self, key: str, value: object) -> None:
+        self.attributes[key] = value
+
+    def set_status(self, status: object) -> None:
+        self.status = status
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def _traced_request(status: int) -> _Span:
+    """One GET /v1/models through ``router_middleware`` with tracing on, its app answering
+    ``status``; the server span it opened."""
+    span = _Span()
+    telemetry = SimpleNamespace(tracing_enabled=True, server_span=lambda *a: span)
+    auth = SimpleNamespace(authenticate=lambda headers: "caller")
+    state = SimpleNamespace(telemetry=telemetry, auth=auth, admin_separate=False)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/models",
+        "headers": [],
+        "app": SimpleNamespace(state=state),
+    }
+    asyncio.run(router_middleware(app)(scope, receive, send))
+    assert sent[0]["status"] == status and span.ended
+    assert span.attributes["http.response.status_code"] == status
+    return span
+
+
+def test_a_5xx_answer_marks_the_server_span_as_an_error_and_a_4xx_does_not() -> None:
+    """Bug it catches: the error bound at ``>= 501`` - a plain 500 shows as a healthy span in
+    Jaeger, so the trace search for failed requests misses exactly the internal errors."""
+    failed = _traced_request(500)
+    assert failed.status is not None and failed.status.status_code == StatusCode.ERROR  # type: ignore[attr-defined]
+    assert _traced_request(503).status is not None
+    assert _traced_request(429).status is None
+    assert _traced_request(200).status is None
