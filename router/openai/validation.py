@@ -246,12 +246,6 @@ def validate_chat(req: ChatCompletionRequest) -> None:
         unsupported("store", "completions are not stored")
     if req.prompt_cache_retention not in (None, "in_memory"):
         unsupported("prompt_cache_retention", "the prefix cache lives in memory only")
-    if req.metadata is not None and (
-        len(req.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in req.metadata.items())
-    ):
-        raise BadRequestError(
-            "'metadata' allows 16 pairs, keys <= 64 and values <= 512 chars.", param="metadata"
-        )
     for i, m in enumerate(req.messages):
         if m.audio is not None:
             unsupported(f"messages[{i}].audio", "the models take text only")
