@@ -75,10 +75,10 @@ class Engine:
             generator=self._shared_generator, max_num_seqs=config.max_num_seqs
         )  # fmt: skip
         blocks = self.proposer.blocks if self.proposer is not None else None
-        self.scheduler = Scheduler(config, runner.blocks, blocks, spec_budget=self._spec_budget)
+        self.pace = pace = Pace(config.max_num_seqs, config.max_num_batched_tokens)
+        """Measured step costs: the predicted wait, the chunk beside decodes (``sched/pacing.py``)."""
+        self.scheduler = Scheduler(config, runner.blocks, blocks, spec_budget=self._spec_budget, pace=pace)
         self.observer = observer
-        self.pace = Pace(config.max_num_seqs, config.max_num_batched_tokens)
-        """Measured step costs, for the predicted wait (``tiers/core/sched/pacing.py``)."""
         self.post = Postprocessor(name, self.scheduler, self.pace, self.proposer, observer)
         self.intake = Intake(self.tokenizer, runner.device)
         self._worker: DeviceWorker[Engine] | None = None
@@ -258,7 +258,7 @@ class Engine:
         elapsed = time.perf_counter() - started
         if batch is not None:
             tokens = sum(batch.num_new_tokens)  # decodes and prompt chunks (verification excluded)
-            self.pace.on_step(started, elapsed, tokens, batch.num_seqs, self.scheduler.has_work())
+            self.pace.on_step(started, elapsed, tokens, batch.num_seqs, self.scheduler.has_work(), batch.kind)
         self.num_steps += 1
         if self.observer is not None and batch is not None:
             self.observer.on_step(self.name, batch.kind, batch.num_seqs, elapsed)

@@ -21,6 +21,10 @@ class SchedulerConfig:
     """Prompt plus output tokens a sequence may hold."""
     max_waiting: int = 64
     """Sequences allowed to wait for a batch slot; the engine refuses more."""
+    max_decode_slowdown: float | None = None
+    """Decode first: a step that runs decodes feeds prompt chunks beside them only up to what
+    keeps it within this multiple of a step of the decodes alone (``pacing.prefill_cap``, from
+    the engine's measured step costs); None: prompt chunks take up to half the budget."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -28,6 +32,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1.0:
+            raise ValueError(f"max_decode_slowdown must be > 1 (or null), got {self.max_decode_slowdown}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -30,7 +30,16 @@ from tiers.core.sched.fairness import fair_share, protected_callers
 if TYPE_CHECKING:
     from tiers.core.sequence import Sequence
 
-__all__ = ["Backlog", "Pace", "Reused", "RoutingCost", "predict_wait", "queue_backlog", "routing_cost"]
+__all__ = [
+    "Backlog",
+    "Pace",
+    "Reused",
+    "RoutingCost",
+    "predict_wait",
+    "prefill_cap",
+    "queue_backlog",
+    "routing_cost",
+]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -43,6 +52,9 @@ otherwise rescan the same sequences hundreds of times a second."""
 PREFILL_STEP_TOKENS = 64
 """A step feeding at least this many tokens measures the cost of a token (its fixed overhead is
 small beside them); smaller steps measure the cost of a decode step."""
+
+MIN_PREFILL_CHUNK = 16
+"""The smallest prompt chunk ``prefill_cap`` allows beside decodes: a prompt always progresses."""
 
 
 CORRECTION_RANGE = (0.5, 4.0)
@@ -105,6 +117,9 @@ class Pace:
         """Seconds of this engine's own step per token fed, over steps of many tokens."""
         self.decode_cost = 0.0
         """Seconds of this engine's own decode step (few tokens)."""
+        self.decode_step = 0.0
+        """Seconds of a step of running decodes only (no prompt chunk beside them): the step a
+        prompt chunk may slow by at most ``max_decode_slowdown`` (``prefill_cap``)."""
         self.loaded_period = 0.0
         """Seconds between this engine's steps with the batch at least half full: the pace at
         which running sequences finish and free slots (other tiers' steps included)."""
@@ -132,12 +147,24 @@ class Pace:
             self.token_cost = token_cost
         if decode_cost is not None:
             self.decode_cost = decode_cost
+            self.decode_step = decode_cost
 
-    def on_step(self, started: float, elapsed: float, tokens: int, num_seqs: int, busy_after: bool) -> None:
+    def on_step(
+        self,
+        started: float,
+        elapsed: float,
+        tokens: int,
+        num_seqs: int,
+        busy_after: bool,
+        kind: str | None = None,
+    ) -> None:
+        """One step's time; ``kind``: the batch's (``decode``: running decodes, no prompt chunk)."""
         if tokens >= PREFILL_STEP_TOKENS:
             self.token_cost = self._ema(self.token_cost, elapsed / tokens)
         elif tokens > 0:
             self.decode_cost = self._ema(self.decode_cost, elapsed)
+        if kind == "decode" and tokens > 0:
+            self.decode_step = self._ema(self.decode_step, elapsed)
         gap = started - self._last_start if self._last_start else 0.0
         if 0.0 < gap < 10.0 and 2 * num_seqs >= self.max_num_seqs:
             self.loaded_period = self._ema(self.loaded_period, gap)
@@ -266,6 +293,18 @@ def _steps_left(seq: Sequence, expected_len: float, budget: int) -> float:
     if out < expected:
         return prefill + expected - out
     return max(1.0, seq.num_remaining_tokens / 2)
+
+
+def prefill_cap(pace: Pace, slowdown: float | None) -> int | None:
+    """Prompt tokens one step may feed beside running decodes, so that the step costs at most
+    ``slowdown`` times a step of the decodes alone: a chunk of ``c`` tokens adds ``c x token_cost``
+    to the decodes' ``decode_step``, so ``c <= (slowdown - 1) x decode_step / token_cost`` (vLLM
+    caps a chunk by ``long_prefill_token_threshold`` tokens; this picks the threshold from the
+    tier's own measured costs, and follows them as they change). At least ``MIN_PREFILL_CHUNK``;
+    None (no cap) when ``slowdown`` is None or nothing is measured yet."""
+    if slowdown is None or pace.token_cost <= 0.0 or pace.decode_step <= 0.0:
+        return None
+    return max(MIN_PREFILL_CHUNK, int((slowdown - 1.0) * pace.decode_step / pace.token_cost))
 
 
 def predict_wait(pace: Pace, own: Backlog, prompt_tokens: int, others: list[tuple[Pace, Backlog]]) -> float:

@@ -34,7 +34,7 @@ from tiers.core.sched.fairness import (
     next_waiting,
     protected_callers,
 )
-from tiers.core.sched.pacing import Backlog, queue_backlog
+from tiers.core.sched.pacing import Backlog, Pace, prefill_cap, queue_backlog
 from tiers.core.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "StepSink"]
@@ -54,13 +54,17 @@ class Scheduler(DraftTables):
         draft_blocks: BlockManager | None = None,
         *,
         spec_budget: Callable[[Sequence], int] | None = None,
+        pace: Pace | None = None,
     ) -> None:
         """``spec_budget(seq)``: most speculative tokens the engine would draft for ``seq`` this
-        step (0 when it should not speculate); the scheduler fits them into budget and blocks."""
+        step (0: no speculation), fitted into budget and blocks. ``pace``: the engine's measured
+        step costs, which bound the prompt tokens fed beside decodes (``pacing.prefill_cap``)."""
         self.config = config
         self.blocks = blocks
         self.draft_blocks = draft_blocks
         self.spec_budget = spec_budget
+        self.pace = pace
+        self._prefill_room: int | None = None  # prompt tokens this step may still feed (None: any)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,18 +98,11 @@ class Scheduler(DraftTables):
         inbox_mine_tokens: int = 0,
     ) -> Backlog:
         """What a new request from ``caller`` finds ahead of it (``pacing.queue_backlog``)."""
+        cfg = self.config
         return queue_backlog(
-            list(self.running),
-            list(self.waiting),
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            caller,
-            inbox,
-            inbox_tokens,
-            expected_len,
-            inbox_mine=inbox_mine,
-            inbox_mine_tokens=inbox_mine_tokens,
-        )
+            list(self.running), list(self.waiting), cfg.max_num_seqs, cfg.max_num_batched_tokens, caller,
+            inbox, inbox_tokens, expected_len, inbox_mine=inbox_mine, inbox_mine_tokens=inbox_mine_tokens,
+        )  # fmt: skip
 
     @property
     def num_running(self) -> int:
@@ -153,6 +150,9 @@ class Scheduler(DraftTables):
             key=lambda s: per_caller[s.caller],
         )
         first = [s for s in self.running if s.is_decoding and s.caller not in hold_back]
+        # Decode first: beside decodes, the step's prompt chunks together stay within prefill_cap.
+        slowdown = self.config.max_decode_slowdown
+        self._prefill_room = prefill_cap(self.pace, slowdown) if first and self.pace is not None else None
         later: list[Sequence] = []
         for seq in prefills:
             heavier = lightest_waiting is not None and per_caller[seq.caller] > lightest_waiting
@@ -180,6 +180,8 @@ class Scheduler(DraftTables):
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if self._prefill_room == 0 and not seq.is_decoding:
+                continue  # this step's prompt tokens are spent: the decodes go first
             contended = bool(self.waiting or batch.seqs)
             n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget, contended)
             want = self._spec_wanted(seq) if n == 1 else 0
@@ -226,6 +228,8 @@ class Scheduler(DraftTables):
             and not batch.preempted_for_blocks
             and len(self.running) < self.config.max_num_seqs
         ):
+            if self._prefill_room == 0:
+                break  # a new prompt's chunk would slow the decodes past max_decode_slowdown
             seq = next_waiting(self.waiting, running, only, forks_waiting)
             if seq is None:
                 break
@@ -266,6 +270,8 @@ class Scheduler(DraftTables):
             n = min(n, PROMPT_LOGPROBS_CHUNK)
         if n > 1 and contended:
             n = min(n, max(1, self.config.max_num_batched_tokens // 2))
+        if self._prefill_room is not None and remaining > 1:
+            n = min(n, self._prefill_room)
         return n
 
     def _add_row(self, batch: ScheduledBatch, seq: Sequence, n: int, k: int, *, follow_draft: bool) -> None:
@@ -273,6 +279,8 @@ class Scheduler(DraftTables):
         to speculate); a decode that does not speculate leaves the draft behind, to be caught up
         in chunks when speculation pays again (``draft_tables.py``)."""
         k, draft_n = self._draft_row(seq, n, k, follow_draft)
+        if self._prefill_room is not None and not seq.is_decoding:
+            self._prefill_room = max(0, self._prefill_room - n)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.num_spec_tokens.append(k)
