@@ -343,6 +343,7 @@ def build_tiers(
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             max_waiting=cfg.max_queue,
+            max_decode_slowdown=cfg.max_decode_slowdown,
         )
 
         def make_engine(name: str = name, cfg: TierConfig = cfg, sched: SchedulerConfig = sched) -> Engine:

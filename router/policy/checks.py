@@ -63,6 +63,8 @@ def check_policy(policy: Policy, ctx: Issues) -> None:
             )
         if tier.block_size not in (8, 16, 32, 64, 128):
             ctx.error((*p, "block_size"), f"must be 8, 16, 32, 64 or 128, got {tier.block_size}")
+        if tier.max_decode_slowdown is not None and not tier.max_decode_slowdown > 1.0:
+            ctx.error((*p, "max_decode_slowdown"), f"must be > 1 (or null), got {tier.max_decode_slowdown}")
         if tier.kv_cache_memory is not None:
             from tiers.models.plan import parse_memory
 

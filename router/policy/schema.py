@@ -96,6 +96,11 @@ class TierConfig:
     """Context length (prompt + output tokens) per sequence."""
     max_num_batched_tokens: int = 512
     """Prefill chunk budget per step: long prompts are split so decodes keep flowing."""
+    max_decode_slowdown: float | None = 2.5
+    """Decode first: while sequences decode, the prompt chunks fed beside them keep a step within
+    this multiple of a step of the decodes alone (the chunk size follows the tier's measured step
+    costs: ``tiers.core.sched.pacing.prefill_cap``); null: a prompt chunk may take half the step's
+    token budget. Must be > 1."""
     draft: str | None = None
     """Tier whose model drafts speculative tokens for this one (usually the tier below); ``ngram``
     drafts by n-gram lookup in the sequence's own prompt and output (no model, no KV); null = off."""

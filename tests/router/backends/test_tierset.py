@@ -177,3 +177,30 @@ routing:
     finally:
         for engine in tiers.engines():
             worker.remove_engine(engine)
+
+
+def test_the_decode_slowdown_key_reaches_each_engines_scheduler(
+    worker: DeviceWorker, tiny_model_dir: Path
+) -> None:
+    """Bug it catches: ``tiers.<name>.max_decode_slowdown`` parsed but not handed to the tier's
+    scheduler - every tier keeps the default (or none), and a prompt stalls the running streams
+    however the policy sets it."""
+    policy = parse_policy(f"""
+version: 1
+tiers:
+  small: {{model: {tiny_model_dir}, quantization: int8, max_num_seqs: 2, max_decode_slowdown: 4.0}}
+  large: {{model: {tiny_model_dir}, max_num_seqs: 2, max_decode_slowdown: null}}
+routing:
+  rules: [{{name: d, tier: small}}]
+""")
+    tiers = build_tiers(policy, worker)
+    try:
+        small, large = tiers.get("small"), tiers.get("large")
+        assert isinstance(small, LocalTier) and isinstance(large, LocalTier)
+        assert small.engine.scheduler.config.max_decode_slowdown == 4.0
+        assert large.engine.scheduler.config.max_decode_slowdown is None
+        assert small.engine.scheduler.pace is small.engine.pace  # the costs it caps chunks by
+        assert small.engine.pace.decode_step > 0 and small.engine.pace.token_cost > 0  # measured at warm-up
+    finally:
+        for engine in tiers.engines():
+            worker.remove_engine(engine)
