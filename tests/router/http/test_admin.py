@@ -181,3 +181,34 @@ def test_the_admin_host_defaults_to_loopback() -> None:
     )
     args = build_parser().parse_args(["serve", "--policy", "p.yaml", "--admin-host", "0.0.0.0"])
     assert admin_host(args) == "0.0.0.0"
+
+
+def test_the_classifier_is_described_by_path_and_version_and_loaded_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bugs it catches: the reload answer's keys misspelt or its version read off the wrong
+    object, and a reloaded classifier placed on an accelerator the tiers use (``device`` default
+    not the CPU) and probed after the swap instead of before."""
+    from types import SimpleNamespace
+
+    import classifier
+    from router.http import admin
+
+    described = admin._describe(SimpleNamespace(path=Path("/models/score.onnx"), version="4.0"))
+    assert described == {"path": "/models/score.onnx", "version": "4.0"}
+    assert admin._describe(object()) == {"path": "None", "version": None}
+    calls: list[tuple[object, str]] = []
+    probed: list[str] = []
+
+    class Loaded:
+        def score(self, prompt: str) -> float:
+            probed.append(prompt)
+            return 0.5
+
+    def load(path: object, device: str = "auto") -> Loaded:
+        calls.append((path, device))
+        return Loaded()
+
+    monkeypatch.setattr(classifier.ComplexityClassifier, "load", staticmethod(load))
+    clf = admin._load("/models/score.onnx")
+    assert isinstance(clf, Loaded) and calls == [("/models/score.onnx", "cpu")] and probed == [admin.PROBE]

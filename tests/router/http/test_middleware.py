@@ -14,7 +14,13 @@ from typing import Any
 import httpx
 from opentelemetry.trace import StatusCode
 
-from router.http.middleware import MAX_HEADER_BYTES, router_middleware
+from router.http.middleware import (
+    LISTENER_KEY,
+    MAX_HEADER_BYTES,
+    admin_listener,
+    is_operator_path,
+    router_middleware,
+)
 from tests.router.conftest import Server
 
 CHAT = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -141,3 +147,40 @@ def test_a_5xx_answer_marks_the_server_span_as_an_error_and_a_4xx_does_not() -> 
     assert _traced_request(503).status is not None
     assert _traced_request(429).status is None
     assert _traced_request(200).status is None
+
+
+def test_operator_paths_are_the_listed_ones_and_the_schema_and_admin_trees() -> None:
+    """Bug it catches: the test inverted or a prefix dropped - ``/v1/...`` served on the admin
+    port, or ``/metrics`` (tenant names, tier load) on the public one when the ports are split."""
+    for path in (
+        "/metrics",
+        "/dashboard",
+        "/dashboard/data",
+        "/schema",
+        "/schema/openapi.json",
+        "/admin/reload",
+    ):
+        assert is_operator_path(path), path
+    for path in ("/v1/models", "/v1/chat/completions", "/schemas", "/metricsx", "/healthz", "/"):
+        assert not is_operator_path(path), path
+
+
+def test_the_admin_listener_marks_its_requests_and_passes_the_channels_through() -> None:
+    seen: list[tuple[dict[str, Any], Any, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append((scope, receive, send))
+
+    async def receive() -> dict[str, Any]:
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    original = {"type": "http", "path": "/metrics"}
+    asyncio.run(admin_listener(app)(original, receive, send))
+    asyncio.run(admin_listener(app)({"type": "lifespan"}, receive, send))
+    (scope, got_receive, got_send), (life, _, _) = seen
+    assert scope[LISTENER_KEY] == "admin" and got_receive is receive and got_send is send
+    assert LISTENER_KEY not in original  # the server's own scope is left as it was
+    assert LISTENER_KEY not in life

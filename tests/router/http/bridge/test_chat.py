@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from router.errors import BadRequestError
-from router.http.bridge.chat import EventTranslator, chat_chunks, chat_request, error_path
+from router.http.bridge.chat import EventTranslator, chat_chunks, chat_request, error_path, rename_param
 from router.openai.schemas import ChatCompletionRequest
 
 
@@ -120,3 +120,19 @@ def test_chat_request_hands_the_named_field_to_the_edge_api_error() -> None:
     with pytest.raises(BadRequestError):
         chat_request({"model": "m", "messages": [], "top_p": "x"}, invalid)
     assert seen == ["top_p"]
+
+
+def test_rename_param_renames_the_head_and_keeps_the_rest() -> None:
+    """Bugs it catches: the rest of the path dropped (``messages`` for ``messages[0].content``
+    renamed as just ``input``), ``response_format`` paths not handed to their own renamer."""
+    names = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+
+    def fmt(rest: str) -> str:
+        return "text.format" + ("." + rest if rest else "")
+
+    assert rename_param("messages.0.content", names, fmt) == "input.0.content"
+    assert rename_param("max_completion_tokens", names, fmt) == "max_output_tokens"
+    assert rename_param("temperature", names, fmt) == "temperature"
+    assert rename_param("response_format.json_schema.name", names, fmt) == "text.format.json_schema.name"
+    assert rename_param("response_format", names, fmt) == "text.format"
+    assert rename_param(None, names, fmt) is None
