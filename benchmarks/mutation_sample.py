@@ -101,6 +101,24 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "the chat paths that reach it name json_schema only as their first segment, followed by '.' "
         "or nothing: both forms strip the same text from every one",
     ),
+    (
+        "router/http/dashboard.py",
+        "d = drafted.get(name, )",
+        "``d`` is only tested for truth (``... if d else None``): a missing tier's None and 0.0 "
+        "are both false",
+    ),
+    (
+        "router/http/app.py",
+        "body_timeout_s: float = 31.0,",
+        "a served app always gets the CLI's --body-timeout (router.cli passes it); the default reaches "
+        "only in-process test apps, whose bodies arrive at once",
+    ),
+    (
+        "router/http/reload.py",
+        "await asyncio.sleep(1.2)",
+        "the poll interval of a retired engine's drain: how soon it is dropped, not whether (no "
+        "request sees it)",
+    ),
 ]
 
 _OPERATOR_TOKENS = {

@@ -27,7 +27,9 @@ def _app() -> Any:
     return SimpleNamespace(state=SimpleNamespace(service=service, worker=object(), telemetry=telemetry))
 
 
-def test_loaded_tiers_get_the_apps_telemetry_and_readiness_flips(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loaded_tiers_get_the_apps_telemetry_and_readiness_flips(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Bug it catches: ``build_tiers`` called without ``observer=`` - every engine's metrics and
     spans (queue depth, step times, drafts) silently go nowhere."""
     app = _app()
@@ -42,11 +44,13 @@ def test_loaded_tiers_get_the_apps_telemetry_and_readiness_flips(monkeypatch: py
     monkeypatch.setattr(
         lifespan, "gc", SimpleNamespace(collect=lambda: 0, freeze=lambda: None, get_freeze_count=lambda: 0)
     )
-    lifespan._load_tiers(app)
+    with caplog.at_level(logging.INFO, logger=lifespan.__name__):
+        lifespan._load_tiers(app)
     assert seen["observer"] is app.state.telemetry
     assert seen["policy"] is app.state.service.policy and seen["worker"] is app.state.worker
     assert app.state.service.tiers is built
     assert app.state.telemetry.ready.value == 1
+    assert any(r.getMessage().startswith("ready: tiers small") for r in caplog.records)
 
 
 def test_a_failed_load_stays_not_ready_and_logs_why(
