@@ -70,13 +70,15 @@ class Backend(Protocol):
 
 def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
     """Everything that needs a new engine when it changes (routing-only edits reuse the engine):
-    the loaded model's key, then the engine's own settings."""
+    the loaded model's key, then the engine's own settings. Every tier field but ``defaults`` and
+    ``max_queue_wait_s`` (read off the tier's config at each request) is one of them."""
     return (
         *model_key(cfg),
         cfg.max_num_seqs,
         cfg.max_queue,
         cfg.max_model_len,
         cfg.max_num_batched_tokens,
+        cfg.max_decode_slowdown,
         cfg.draft,
         cfg.speculative_tokens,
         cfg.kv_cache_memory,
@@ -84,6 +86,7 @@ def engine_key(cfg: TierConfig) -> tuple[Any, ...]:
         cfg.block_size,
         cfg.prefix_caching,
         cfg.batch_invariant,
+        cfg.cuda_graphs,
         cfg.served_model_name,
         cfg.api_key_env,
         cfg.timeout_s,
