@@ -184,3 +184,35 @@ def test_the_admin_listener_marks_its_requests_and_passes_the_channels_through()
     assert scope[LISTENER_KEY] == "admin" and got_receive is receive and got_send is send
     assert LISTENER_KEY not in original  # the server's own scope is left as it was
     assert LISTENER_KEY not in life
+
+
+def test_only_api_paths_get_a_server_span() -> None:
+    """Bug it catches: every request traced - each probe and metrics scrape a root span, and the
+    traces of real requests drown in them in Jaeger."""
+    opened: list[str] = []
+    telemetry = SimpleNamespace(
+        tracing_enabled=True, server_span=lambda name, *a: opened.append(name) or _Span()
+    )
+    state = SimpleNamespace(
+        telemetry=telemetry, auth=SimpleNamespace(authenticate=lambda h: "c"), admin_separate=False
+    )
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    for path in ("/healthz", "/metrics", "/v1/models"):
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": path,
+            "headers": [],
+            "app": SimpleNamespace(state=state),
+        }
+        asyncio.run(router_middleware(app)(scope, receive, send))
+    assert opened == ["GET /v1/models"]

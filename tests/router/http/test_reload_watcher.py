@@ -152,3 +152,36 @@ def test_an_injected_classifier_is_never_replaced_by_a_reload(monkeypatch: pytes
     asyncio.run(reload.apply_policy(app, changed))
     assert loads == [] and app.state.service.classifier == "old-clf"
     assert app.state.service.policy is changed
+
+
+def test_a_failing_key_refresh_is_logged_and_the_loop_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug it catches: the key loop's error logged without saying what failed (or the loop dying
+    on the first error: a rotated key would then never be read again)."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    app = _app()
+    calls: list[int] = []
+
+    def refresh() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("keys file unreadable")
+
+    app.state.auth = SimpleNamespace(refresh=refresh)
+    watcher = reload.PolicyWatcher(path, app, interval_s=0.001)
+
+    async def run() -> None:
+        task = asyncio.create_task(watcher._run_keys())
+        for _ in range(2000):
+            await asyncio.sleep(0.001)
+            if len(calls) >= 3:
+                break
+        task.cancel()
+
+    with caplog.at_level(logging.ERROR, logger=reload.__name__):
+        asyncio.run(run())
+    assert len(calls) >= 3  # refreshed again after the failure
+    (record,) = [r for r in caplog.records if r.name == reload.__name__]
+    assert record.getMessage() == "API key refresh error" and record.exc_info is not None

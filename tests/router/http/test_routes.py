@@ -9,10 +9,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
+import httpx
 from litestar.exceptions import ValidationException
 
 from router.http.auth import Caller
 from router.http.routes import _aclose_quietly, _context, _validation_param
+from tests.router.conftest import Server
 
 
 class _Source:
@@ -91,3 +93,27 @@ def test_a_validation_error_names_the_field_as_openai_does() -> None:
     assert _validation_param(typed) == ("temperature", "Expected `float`, got `str`")
     bare = ValidationException(detail="bad body")
     assert _validation_param(bare) == (None, "bad body")
+
+
+def test_a_validation_item_without_a_message_falls_back_to_the_detail() -> None:
+    item = ValidationException(detail="Invalid body", extra=[{"key": "temperature"}])
+    assert _validation_param(item) == ("temperature", "Invalid body")
+
+
+def test_a_streamed_answer_is_an_event_stream_that_proxies_do_not_buffer(server: Server) -> None:
+    """Bug it catches: the stream sent with another media type or without ``cache-control:
+    no-cache`` / ``x-accel-buffering: no`` - SSE clients refuse it, nginx buffers it whole."""
+    body = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    plain = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    assert plain.headers["content-type"].startswith("application/json")
