@@ -132,7 +132,9 @@ def test_node_lines_records_keys_and_items_by_hand_counted_lines() -> None:
         """
     )
     out: dict[FieldPath, int] = {}
-    node_lines(yaml.compose(text), (), out)
+    node = yaml.compose(text)
+    assert node is not None
+    node_lines(node, (), out)
     assert out[()] == 1
     assert out[("tiers",)] == 1
     assert out[("tiers", "small")] == 2
