@@ -216,6 +216,19 @@ def test_stop_token_id_finishes_and_its_text_is_left_out() -> None:
     assert outs[-1].finish_reason == "stop"
 
 
+def test_a_stop_token_ids_text_is_kept_with_include_stop_str_in_output() -> None:
+    """Bug it catches: the stop token's text dropped although the caller asked for it - vLLM keeps
+    a stop id's text when ``include_stop_str_in_output`` is set (its stop checker removes it only
+    without the flag), and an EOS (special: no text) still adds nothing."""
+    r = rig()
+    t = r.track(max_tokens=20, stop_token_ids=(8,), include_stop=True, include_stop_str_in_output=True)
+    outs = run(r, t, [[1, 2], [8]])
+    assert joined(outs) == ("Hello!", [1, 2, 8])
+    assert outs[-1].finish_reason == "stop"
+    e = r.track(max_tokens=20, include_stop=True, include_stop_str_in_output=True)
+    assert joined(run(r, e, [[1, 2], [EOS]])) == ("Hello", [1, 2, EOS])
+
+
 def test_speculative_step_keeps_only_the_tokens_up_to_the_stop() -> None:
     """Bug it catches: ``pending_tokens.extend(new_tokens)`` (``[:kept]`` dropped or off by one) - a
     step of several tokens past a stop string hands back only those up to the one that completed it."""

@@ -392,10 +392,9 @@ class Scheduler(DraftTables):
     def append_tokens(
         self, seq: Sequence, tokens: list[int], text_stop: Callable[[int], bool] | None = None
     ) -> tuple[int, tuple[SequenceStatus, str] | None]:
-        """Append ``tokens`` one by one, stopping at EOS, a stop id, a stop string
-        (``text_stop(token)``: the detokenizer's verdict), a complete grammar, ``max_tokens`` or
-        the context; then name the blocks they filled. Returns how many were kept and the finish
-        (``(status, reason)``) when the sequence is done; the caller finishes it (``finish``)."""
+        """Append ``tokens`` one by one, stopping at EOS, a stop id, a stop string (``text_stop(token)``:
+        the detokenizer's verdict), a complete grammar, ``max_tokens`` or the context; name the blocks
+        they filled. Returns how many were kept and the ``(status, reason)`` finish, if done."""
         params = seq.params
         finish: tuple[SequenceStatus, str] | None = None
         kept = 0
@@ -403,6 +402,8 @@ class Scheduler(DraftTables):
             seq.token_ids.append(tok)
             kept += 1
             if (not params.ignore_eos and tok in seq.eos_token_ids) or tok in params.stop_token_ids:
+                if tok in params.stop_token_ids and params.include_stop_str_in_output and text_stop:
+                    text_stop(tok)  # vLLM keeps a stop id's text with include_stop_str_in_output
                 finish = (SequenceStatus.FINISHED_STOPPED, FinishReason.STOP)
                 break
             if text_stop is not None and text_stop(tok):
