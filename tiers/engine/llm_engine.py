@@ -176,23 +176,23 @@ class Engine:
         self._drain_inbox()
         return self.scheduler.has_protected_prefill()
 
+    def decoding(self) -> bool:
+        """A running sequence here decodes (device thread): another engine's prompt chunks wait."""
+        return any(s.is_decoding for s in self.scheduler.running)
+
     def share(self) -> tuple[Counter[str], int]:
         """Sequences per caller held here, and the batch slots (device thread: drains the inbox)."""
         self._drain_inbox()
         return self.scheduler.callers(), self.config.max_num_seqs
 
-    def step(
-        self, *, defer_unprotected_prompts: bool = False, hold_back: frozenset[str] = frozenset()
-    ) -> bool:
+    def step(self, **options: Any) -> bool:
         """schedule -> run -> update, once; False when nothing ran (the options: ``Scheduler.schedule``)."""
         self._drain_inbox()
         batch, started = None, time.perf_counter()
         self.post.outbox = []
         try:
             self._k = self._choose_k()
-            batch = self.scheduler.schedule(
-                defer_unprotected_prompts=defer_unprotected_prompts, hold_back=hold_back
-            )
+            batch = self.scheduler.schedule(**options)
             if batch is None:
                 return False
             run_isolated(

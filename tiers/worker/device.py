@@ -48,12 +48,17 @@ class DeviceEngine(Protocol):
 
     def has_work(self) -> bool: ...
     def has_protected_prefill(self) -> bool: ...
+    def decoding(self) -> bool: ...
     def share(self) -> tuple[Counter[str], int]:
         """Sequences per caller held here (running or waiting), and the batch slots (device thread)."""
         ...
 
     def step(
-        self, *, defer_unprotected_prompts: bool = False, hold_back: frozenset[str] = frozenset()
+        self,
+        *,
+        defer_unprotected_prompts: bool = False,
+        hold_back: frozenset[str] = frozenset(),
+        decodes_elsewhere: bool = False,
     ) -> bool: ...
     def abort_all(self) -> None: ...
     def backlog(self) -> Backlog:
@@ -153,6 +158,14 @@ class DeviceWorker(Generic[E]):
         self._deferred_turns = 0
         return False
 
+    def _decoding(self) -> list[E]:
+        """The engines with a running sequence decoding, as this turn starts."""
+        try:
+            return [e for e in self.engines if e.has_work() and e.decoding()]
+        except Exception:  # a bookkeeping error must not stop the device
+            log.exception("checking for running decodes failed")
+            return []
+
     def _hold_back(self) -> frozenset[str]:
         if self.turns.slowdown is None:
             return frozenset()
@@ -184,12 +197,21 @@ class DeviceWorker(Generic[E]):
             did_work = False
             defer = self._defer_this_turn()
             hold_back = self._hold_back()
+            decoding = self._decoding()
             started = time.perf_counter()
             for engine in self.engines:
                 if engine.has_work():
+                    # Decode first across tiers: a stream on one engine waits for every other
+                    # engine's step of the turn, prompt chunks included (Scheduler.schedule).
+                    elsewhere = any(e is not engine for e in decoding)
                     try:
                         did_work = (
-                            engine.step(defer_unprotected_prompts=defer, hold_back=hold_back) or did_work
+                            engine.step(
+                                defer_unprotected_prompts=defer,
+                                hold_back=hold_back,
+                                decodes_elsewhere=elsewhere,
+                            )
+                            or did_work
                         )
                     except Exception:  # engine.step guards itself; this is the last line of defence
                         log.exception("engine %s: unhandled error in step", engine.name)

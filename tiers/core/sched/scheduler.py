@@ -123,26 +123,27 @@ class Scheduler(DraftTables):
         return Counter(s.caller for s in (*self.running, *self.waiting) if not s.is_finished)
 
     def schedule(
-        self, *, defer_unprotected_prompts: bool = False, hold_back: frozenset[str] = frozenset()
+        self,
+        *,
+        defer_unprotected_prompts: bool = False,
+        hold_back: frozenset[str] = frozenset(),
+        decodes_elsewhere: bool = False,
     ) -> ScheduledBatch | None:
         """Pick the next step's work; ``None`` when there is nothing to run.
 
-        ``defer_unprotected_prompts``: a protected caller's prompt is pending somewhere on the
-        device (this engine or another sharing it): run decodes and protected callers' prompts
-        only, so the device's turn comes round to that prompt sooner (the other tiers' long
-        prompt chunks were most of a protected request's wait). ``hold_back``: callers that sit
-        out this step altogether (``fairness.TurnBudget``); their sequences keep their slots."""
+        ``defer_unprotected_prompts``: a protected caller's prompt is pending on the device: run
+        decodes and protected callers' prompts only, so the turn comes round to it sooner.
+        ``hold_back``: callers that sit out this step (``fairness.TurnBudget``), keeping their
+        slots. ``decodes_elsewhere``: another engine on the device decodes (its streams wait)."""
         batch = ScheduledBatch([], [], [], [])
         self._preempt_for_fairness(batch)
         allowed = self.protected_callers() if defer_unprotected_prompts else None
         if hold_back:
             everyone = {s.caller for s in (*self.running, *self.waiting)}
             allowed = (everyone if allowed is None else allowed) - hold_back
-        # Decodes first (a long prompt's chunk must never starve them), then prompt chunks, the
-        # lighter callers' first (fewest running sequences; oldest first within a caller). A
-        # waiting caller lighter than some running prompt's is admitted before that prompt takes
-        # the budget: otherwise a flood's long prompts would hold every step's budget and a
-        # light caller would not even get its slot.
+        # Decodes first, then prompt chunks, lighter callers' first (fewest running; oldest first
+        # within a caller). A waiting caller lighter than a running prompt's is admitted before
+        # it takes the budget: else a flood's long prompts would hold it and starve light callers.
         per_caller = Counter(s.caller for s in self.running)
         lightest_waiting = min((per_caller[s.caller] for s in self.waiting), default=None)
         prefills = sorted(
@@ -150,9 +151,9 @@ class Scheduler(DraftTables):
             key=lambda s: per_caller[s.caller],
         )
         first = [s for s in self.running if s.is_decoding and s.caller not in hold_back]
-        # Decode first: beside decodes, the step's prompt chunks together stay within prefill_cap.
-        slowdown = self.config.max_decode_slowdown
-        self._prefill_room = prefill_cap(self.pace, slowdown) if first and self.pace is not None else None
+        # Decode first: beside decodes (here or on the device), prompt chunks stay within prefill_cap.
+        beside, slowdown = bool(first) or decodes_elsewhere, self.config.max_decode_slowdown
+        self._prefill_room = prefill_cap(self.pace, slowdown) if beside and self.pace else None
         later: list[Sequence] = []
         for seq in prefills:
             heavier = lightest_waiting is not None and per_caller[seq.caller] > lightest_waiting
@@ -260,11 +261,9 @@ class Scheduler(DraftTables):
             self._preempt(victim, batch)
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int, contended: bool) -> int:
-        """Tokens a sequence feeds this step. A long prompt may not hold the whole budget while
-        others decode or wait to be admitted (vLLM's long_prefill_token_threshold): a chunk takes
-        at most half, so a decode's step (its inter-token gap) costs at most half a full-budget
-        forward. A prompt whose logprobs were asked for gets logits at every position, a
-        ``[chunk, vocab]`` float block: at most PROMPT_LOGPROBS_CHUNK positions a step."""
+        """Tokens a sequence feeds this step: while others decode or wait, a prompt chunk takes at
+        most half the budget, and beside decodes what is left of ``_prefill_room``; a prompt whose
+        logprobs were asked for (logits at every position) at most PROMPT_LOGPROBS_CHUNK."""
         n = min(remaining, budget)
         if seq.prompt_logprobs_pending:
             n = min(n, PROMPT_LOGPROBS_CHUNK)

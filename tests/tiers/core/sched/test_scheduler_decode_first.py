@@ -151,3 +151,16 @@ def test_the_slowdown_must_exceed_one() -> None:
         SchedulerConfig(max_decode_slowdown=1.0)
     assert SchedulerConfig(max_decode_slowdown=None).max_decode_slowdown is None
     assert SchedulerConfig(max_decode_slowdown=1.5).max_decode_slowdown == 1.5
+
+
+def test_decodes_on_another_engine_cap_this_engines_prompt_too() -> None:
+    """Bug it catches: the cap applied only beside this engine's own decodes - a tier with no
+    stream of its own runs a whole prompt in one step while another tier's streams wait."""
+    sched = _scheduler(cap=40)
+    prompt = _seq(100, 1)
+    sched.add(prompt)
+    batch = sched.schedule(decodes_elsewhere=True)
+    assert batch is not None and batch.num_new_tokens == [40]
+    _run(sched, batch)
+    alone = sched.schedule()
+    assert alone is not None and alone.num_new_tokens == [60]  # nobody decodes: the rest at once
