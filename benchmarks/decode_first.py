@@ -2,9 +2,11 @@
 ``max_decode_slowdown`` as shipped vs off (``null`` on every tier: a prompt chunk may take half a
 step's budget), each arm a fresh server, interleaved A B B A so a drifting VM shifts both alike.
 
-What it shows: the inter-token latency's tail (p95 against p50: a new prompt's prefill stalling
-every running stream) and the time to first token (what chunking a prompt costs it), per arm,
-with the medians over the arm's runs and each run's figures.
+What it shows: guidellm's inter-token latency (a request's mean gap, p50 / p95 over requests) and
+time to first token (what chunking a prompt costs it); and, from a probe client streaming long
+answers throughout each run, every gap between two chunks of a running stream (p50 / p99 / max):
+the stall a new prompt's prefill puts into the streams already running, which a per-request mean
+spreads out. Per arm, the medians over its runs, and each run's figures.
 
 guidellm runs from a venv of its own (``benchmarks/guidellm_rates.py`` says how to build it).
 Writes benchmarks/results/decode_first.json and decode_first.png.
@@ -18,12 +20,15 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
-from benchmarks.common import machine, serve, write_json
+from benchmarks.common import machine, percentile, serve, write_json
 from benchmarks.guidellm_rates import run_guidellm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +72,58 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class GapProbe:
+    """Streams greedy answers of ``tokens`` tokens one after another until stopped, recording the
+    time between consecutive chunks of each stream (the first chunk, its prefill, excluded)."""
+
+    def __init__(self, url: str, tokens: int = 128) -> None:
+        self.url = url
+        self.tokens = tokens
+        self.gaps_ms: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GapProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        body = {
+            "model": "auto",
+            "messages": [{"role": "user", "content": "Count slowly from one to one hundred."}],
+            "max_tokens": self.tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.Client(timeout=120) as client:
+            while not self._stop.is_set():
+                last: float | None = None
+                with client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        now = time.perf_counter()
+                        if last is not None:
+                            self.gaps_ms.append((now - last) * 1000)
+                        last = now
+
+    def figures(self) -> dict[str, float | int | None]:
+        g = self.gaps_ms
+        if not g:
+            return {"gaps": 0, "p50": None, "p99": None, "max": None}
+        return {
+            "gaps": len(g),
+            "p50": round(percentile(g, 0.5), 2),
+            "p99": round(percentile(g, 0.99), 2),
+            "max": round(max(g), 2),
+        }
+
+
 def _median(runs: list[dict[str, Any]], path: tuple[str, ...]) -> float | None:
     values = []
     for run in runs:
@@ -86,6 +143,9 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "itl_p95_over_p50": _median(runs, ("itl_p95_over_p50",)),
         "ttft_ms_p50": _median(runs, ("ttft_ms", "p50")),
         "ttft_ms_p95": _median(runs, ("ttft_ms", "p95")),
+        "stream_gap_ms_p50": _median(runs, ("stream_gap_ms", "p50")),
+        "stream_gap_ms_p99": _median(runs, ("stream_gap_ms", "p99")),
+        "stream_gap_ms_max": _median(runs, ("stream_gap_ms", "max")),
         "errored": sum(int(r.get("errored") or 0) for r in runs),
     }
 
@@ -97,20 +157,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = list(result["arms"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (label, keys) in zip(
         axes,
         (
-            ("inter-token latency (ms)", ("itl_ms_p50", "itl_ms_p95")),
+            ("guidellm inter-token latency (ms)", ("itl_ms_p50", "itl_ms_p95")),
             ("time to first token (ms)", ("ttft_ms_p50", "ttft_ms_p95")),
+            (
+                "gap between a running stream's chunks (ms)",
+                ("stream_gap_ms_p50", "stream_gap_ms_p99", "stream_gap_ms_max"),
+            ),
         ),
         strict=True,
     ):
-        width = 0.35
+        width = 0.8 / len(keys)
         for i, key in enumerate(keys):
             values = [result["arms"][a][key] or 0 for a in arms]
             ax.bar([x + i * width for x in range(len(arms))], values, width, label=key.rsplit("_", 1)[1])
-        ax.set_xticks([x + width / 2 for x in range(len(arms))], arms)
+        ax.set_xticks([x + width * (len(keys) - 1) / 2 for x in range(len(arms))], arms)
         ax.set_title(label)
         ax.legend()
     fig.suptitle(f"decode first: guidellm at {result['rate']} req/s on the default policy (medians of runs)")
@@ -137,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         off_policy = policy_without_cap(args.policy, Path(tmp) / "off.yaml")
         for i, arm in enumerate(args.order):
             name, policy = ("shipped", args.policy) if arm == "A" else ("off", off_policy)
-            with serve(policy, args.port, ready_timeout_s=1800) as (url, _):
+            with serve(policy, args.port, ready_timeout_s=1800) as (url, _), GapProbe(url) as probe:
                 report = run_guidellm(
                     args.guidellm,
                     url,
@@ -148,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                     request_format="chat",
                     out=Path(tmp) / f"run{i}.json",
                 )
-            run = {"order": i, **figures(report)}
+            run = {"order": i, **figures(report), "stream_gap_ms": probe.figures()}
             runs[name].append(run)
             print(name, json.dumps(run), flush=True)
     result = {

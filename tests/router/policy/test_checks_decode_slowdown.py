@@ -1,5 +1,5 @@
-"""``tiers.<name>.max_decode_slowdown`` (router/policy/checks.py, schema.py): 2.5 by default, null
-turns the cap off, any value above 1 is accepted and 1 or less refused naming the field - a step
+"""``tiers.<name>.max_decode_slowdown`` (router/policy/checks.py, schema.py): off (null) by
+default, any value above 1 is accepted and 1 or less refused naming the field - a step
 beside decodes cannot cost less than the decodes alone."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ routing:
 
 
 def test_the_default_and_the_values_accepted() -> None:
-    assert parse_policy(_policy(None)).tiers["small"].max_decode_slowdown == 2.5
+    assert parse_policy(_policy(None)).tiers["small"].max_decode_slowdown is None
     assert parse_policy(_policy("null")).tiers["small"].max_decode_slowdown is None
+    assert parse_policy(_policy("2.5")).tiers["small"].max_decode_slowdown == 2.5
     assert parse_policy(_policy("1.01")).tiers["small"].max_decode_slowdown == 1.01
     assert parse_policy(_policy("6")).tiers["small"].max_decode_slowdown == 6
 
