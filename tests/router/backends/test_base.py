@@ -40,7 +40,7 @@ CHANGED: dict[str, Any] = {
     "max_queue": 5,
     "max_model_len": 1024,
     "max_num_batched_tokens": 256,
-    "max_decode_slowdown": None,
+    "max_decode_slowdown": 2.5,
     "draft": "small",
     "speculative_tokens": 2,
     "kv_cache_memory": "1GiB",
